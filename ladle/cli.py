@@ -1,0 +1,44 @@
+"""`ladle` command line: each subcommand lives with the package it drives.
+
+Subcommand modules are imported only when chosen, so `ladle --help` starts fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> (module, help). Each module provides add_arguments(parser) and run(args) -> int.
+SUBCOMMANDS = {
+    "serve": ("ladle.server.cli", "serve a model over the OpenAI API"),
+    "chat": ("ladle.chat_cli", "chat with a model in the terminal"),
+    "bench": ("ladle.bench.cli", "load-test any OpenAI-compatible server"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(prog="ladle", description="ladle: a self-hosted LLM serving engine")
+    parser.add_argument("--version", action="version", version=f"ladle {_version()}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (_, help_text) in SUBCOMMANDS.items():
+        sub.add_parser(name, help=help_text, add_help=False)
+    if not argv or argv[0] not in SUBCOMMANDS:
+        args = parser.parse_args(argv)
+        parser.print_help()
+        return 0 if args.command is None else 2
+    module = importlib.import_module(SUBCOMMANDS[argv[0]][0])
+    cmd_parser = argparse.ArgumentParser(prog=f"ladle {argv[0]}", description=SUBCOMMANDS[argv[0]][1])
+    module.add_arguments(cmd_parser)
+    return int(module.run(cmd_parser.parse_args(argv[1:])) or 0)
+
+
+def _version() -> str:
+    from ladle import __version__
+
+    return __version__
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,58 @@
+"""The one engine configuration; the CLI maps vLLM-named flags onto it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SCHEDULING_POLICIES = ("fcfs", "priority", "lpm")
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # HF folder or .gguf file; None: the embedded SmolLM2-135M-Instruct
+    served_model_name: str | None = None
+    max_model_len: int | None = None  # None: the model's context, capped by the KV pool
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 512  # token budget of one step (decodes + prefill chunks)
+    long_prefill_token_threshold: int = 0  # >0: largest prefill chunk one sequence gets per step
+    block_size: int = 16
+    kv_cache_memory_gib: float = 4.0
+    num_kv_blocks: int | None = None  # overrides kv_cache_memory_gib (tests force tiny pools)
+    scheduling_policy: str = "fcfs"
+    num_threads: int | None = None  # torch intra-op threads; None: torch's default
+    seed: int = 0  # for requests without their own seed
+
+    def __post_init__(self) -> None:
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}")
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.block_size < 1:
+            raise ValueError("max_num_seqs, max_num_batched_tokens and block_size must be positive")
+
+
+def add_engine_arguments(parser) -> None:
+    """Engine flags, with vLLM's names where vLLM has them."""
+    g = parser.add_argument_group("engine")
+    g.add_argument("model", nargs="?", default=None,
+                   help="HF model folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
+    g.add_argument("--served-model-name", default=None)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs)
+    g.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens)
+    g.add_argument("--long-prefill-token-threshold", type=int, default=0)
+    g.add_argument("--block-size", type=int, default=EngineConfig.block_size)
+    g.add_argument("--kv-cache-memory-gib", type=float, default=EngineConfig.kv_cache_memory_gib,
+                   help="memory preallocated for the paged KV cache")
+    g.add_argument("--num-kv-blocks", type=int, default=None, help="exact KV pool size in blocks (overrides memory)")
+    g.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default="fcfs")
+    g.add_argument("--num-threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    g.add_argument("--seed", type=int, default=0)
+
+
+def engine_config_from_args(args) -> EngineConfig:
+    return EngineConfig(
+        model=args.model, served_model_name=args.served_model_name, max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        long_prefill_token_threshold=args.long_prefill_token_threshold, block_size=args.block_size,
+        kv_cache_memory_gib=args.kv_cache_memory_gib, num_kv_blocks=args.num_kv_blocks,
+        scheduling_policy=args.scheduling_policy, num_threads=args.num_threads, seed=args.seed,
+    )

@@ -1,0 +1,206 @@
+"""The step loop: schedule, run the model, sample, detokenise, check stops, free blocks.
+
+Not thread-safe: one thread owns an engine (the server wraps it in `AsyncEngine`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ladle.config import EngineConfig
+from ladle.engine.kv_cache import KVCacheManager
+from ladle.engine.request import CompletionDelta, Sequence, StepOutput, TokenLogprob
+from ladle.engine.sampling_params import SamplingParams
+from ladle.engine.scheduler import Scheduler
+from ladle.engine.stop import OutputTextTracker
+from ladle.errors import InvalidRequestError
+from ladle.model.attention import KVCache
+from ladle.model.config import ModelConfig
+from ladle.model.loader import load_weights, resolve_model_path
+from ladle.model.runner import ModelRunner
+from ladle.model.sampler import Sampler, token_logprob
+from ladle.model.tokenizer import IncrementalDetokenizer, Tokenizer
+
+log = logging.getLogger("ladle")
+
+
+@dataclass
+class EngineStats:
+    """Running totals for metrics and admission control."""
+
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    steps: int = 0
+    recent_generation: list[tuple[float, int]] = field(default_factory=list)  # (time, tokens) per step
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        folder = resolve_model_path(config.model)
+        self.model_path = folder
+        self.model_config = ModelConfig.from_folder(folder)
+        self.tokenizer = Tokenizer.from_folder(folder)
+        self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.model_config.eos_token_ids)
+        num_blocks = self._num_blocks()
+        pool_tokens = num_blocks * config.block_size
+        model_len = config.max_model_len or self.model_config.max_position_embeddings
+        if model_len > pool_tokens:
+            log.warning("max_model_len %d exceeds the KV pool (%d tokens); capping it", model_len, pool_tokens)
+        self.max_model_len = min(model_len, pool_tokens, self.model_config.max_position_embeddings)
+        self.kv = KVCacheManager(num_blocks, config.block_size)
+        self.scheduler = Scheduler(config, self.kv)
+        self.runner = ModelRunner(self.model_config, load_weights(folder), num_blocks, config.block_size)
+        self.sampler = Sampler(config.seed)
+        self.requests: dict[str, list[Sequence]] = {}
+        self.stats = EngineStats()
+        self._seq_ids = itertools.count()
+
+    def _num_blocks(self) -> int:
+        if self.config.num_kv_blocks:
+            return self.config.num_kv_blocks
+        c = self.model_config
+        per_block = KVCache.bytes_per_block(c.num_hidden_layers, self.config.block_size, c.num_key_value_heads, c.head_dim)
+        return max(1, int(self.config.kv_cache_memory_gib * 2**30) // per_block)
+
+    # -- requests -------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    priority: int = 0, arrival_time: float | None = None) -> list[int]:
+        """Queue a request; returns its prompt token ids. Raises InvalidRequestError."""
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already running", param="request_id")
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        self._check_prompt(ids, params)
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(ids)
+        if max_tokens != params.max_tokens:
+            params = _with(params, max_tokens=max_tokens)
+        arrival = time.time() if arrival_time is None else arrival_time
+        seqs = [self._new_sequence(request_id, i, ids, params, priority, arrival) for i in range(params.n)]
+        self.requests[request_id] = seqs
+        for seq in seqs:
+            self.scheduler.add(seq)
+        return ids
+
+    def _check_prompt(self, ids: list[int], params: SamplingParams) -> None:
+        if not ids:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in ids):
+            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", param="prompt")
+        limit = self.max_model_len
+        want = len(ids) + (params.max_tokens or 1)
+        if len(ids) >= limit or want > limit:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {limit} tokens. However, you requested {want} tokens "
+                f"({len(ids)} in the prompt, {want - len(ids)} for the completion), {want - limit} over. "
+                "Please reduce the length of the prompt or of max_tokens.",
+                param="max_tokens" if len(ids) < limit else "prompt", code="context_length_exceeded")
+
+    def _new_sequence(self, request_id: str, index: int, ids: list[int], params: SamplingParams,
+                      priority: int, arrival: float) -> Sequence:
+        gen = None if params.seed is None else torch.Generator().manual_seed(params.seed + index)
+        seq = Sequence(seq_id=next(self._seq_ids), request_id=request_id, index=index, token_ids=list(ids),
+                       num_prompt_tokens=len(ids), params=params, arrival_time=arrival, priority=priority,
+                       eos_token_ids=self.eos_token_ids, generator=gen)
+        detok = IncrementalDetokenizer(self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens)
+        seq.text = OutputTextTracker(detok, params.stop)
+        return seq
+
+    def abort_request(self, request_id: str) -> bool:
+        """Drop a request wherever it is; its blocks are free on return."""
+        seqs = self.requests.pop(request_id, None)
+        for seq in seqs or []:
+            if not seq.is_finished:
+                seq.finish_reason = "abort"
+                self.scheduler.finish(seq)
+        return seqs is not None
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # -- the step -------------------------------------------------------------
+
+    def step(self) -> list[StepOutput]:
+        plan = self.scheduler.schedule()
+        if not plan:
+            return []
+        now = time.time()
+        logits = self.runner.execute(plan.scheduled)
+        for item in plan.scheduled:
+            seq = item.seq
+            seq.first_scheduled_time = seq.first_scheduled_time or now
+            seq.num_computed_tokens += item.num_new_tokens
+            if seq.num_computed_tokens <= seq.num_prompt_tokens and seq.num_preemptions == 0:
+                self.stats.prompt_tokens += item.num_new_tokens
+        for seq, first, rows in logits.prompt_rows:
+            self._record_prompt_logprobs(seq, first, rows)
+        sampled = self.sampler(logits.sample_logits, logits.sample_seqs) if logits.sample_seqs else []
+        done_at = time.time()
+        deltas: dict[str, list[CompletionDelta]] = {}
+        for seq, (token, lp) in zip(logits.sample_seqs, sampled):
+            deltas.setdefault(seq.request_id, []).append(self._append_token(seq, token, lp, done_at))
+        self.stats.steps += 1
+        self.stats.generation_tokens += len(sampled)
+        self.stats.recent_generation.append((done_at, len(sampled)))
+        del self.stats.recent_generation[:-64]
+        return [self._request_output(rid, d) for rid, d in deltas.items()]
+
+    def _append_token(self, seq: Sequence, token: int, lp: TokenLogprob | None, now: float) -> CompletionDelta:
+        seq.token_ids.append(token)
+        seq.first_token_time = seq.first_token_time or now
+        seq.last_token_time = now
+        if lp is not None:
+            seq.logprobs.append(lp)
+        p = seq.params
+        stop_reason: int | str | None = None
+        finish = None
+        if token in seq.eos_token_ids and not p.ignore_eos:
+            finish = "stop"
+        elif token in p.stop_token_ids:
+            finish, stop_reason = "stop", token
+        else:
+            stop_reason = seq.text.append(token)
+            finish = "stop" if stop_reason is not None else None
+        if finish is None and (seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len):
+            finish = "length"
+        if finish:
+            seq.finish_reason, seq.stop_reason = finish, stop_reason
+            self.scheduler.finish(seq)
+        return CompletionDelta(index=seq.index, token_ids=[token], text=seq.text.release(finish is not None),
+                               logprobs=[lp] if lp is not None else [], finish_reason=finish, stop_reason=stop_reason)
+
+    def _record_prompt_logprobs(self, seq: Sequence, first: int, logits: torch.Tensor) -> None:
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        if first == 0:
+            seq.prompt_logprobs.append(None)  # nothing predicts the first token
+        k = seq.params.prompt_logprobs or 0
+        for i in range(logits.shape[0]):
+            nxt = first + i + 1
+            if nxt < seq.num_prompt_tokens:
+                seq.prompt_logprobs.append(token_logprob(logprobs[i], seq.token_ids[nxt], k))
+
+    def _request_output(self, request_id: str, deltas: list[CompletionDelta]) -> StepOutput:
+        seqs = self.requests[request_id]
+        finished = all(s.is_finished for s in seqs)
+        if finished:
+            del self.requests[request_id]
+        first = seqs[0]
+        first_output = all(len(s.output_token_ids) <= 1 for s in seqs) and any(d.token_ids for d in deltas)
+        return StepOutput(request_id=request_id, prompt_token_ids=first.prompt_token_ids, deltas=deltas,
+                          finished=finished, num_cached_tokens=first.num_cached_tokens,
+                          prompt_logprobs=first.prompt_logprobs if first_output and first.params.prompt_logprobs is not None else None,
+                          arrival_time=first.arrival_time)
+
+
+def _with(params: SamplingParams, **changes) -> SamplingParams:
+    from dataclasses import replace
+
+    return replace(params, **changes)

@@ -1,0 +1,112 @@
+"""Request and sequence state, and what the engine hands back after each step."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from ladle.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
+
+    from ladle.engine.stop import OutputTextTracker
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # the k most likely tokens at this position, best first
+
+
+@dataclass
+class Sequence:
+    """One continuation being generated; a request with n > 1 owns n of them.
+
+    The engine computes `token_ids` (prompt then output) left to right; a token is
+    sampled whenever every known token has been computed. After a preemption the
+    whole run is recomputed, prompt and output alike.
+    """
+
+    seq_id: int
+    request_id: str
+    index: int
+    token_ids: list[int]
+    num_prompt_tokens: int
+    params: SamplingParams
+    arrival_time: float
+    priority: int = 0
+    eos_token_ids: frozenset[int] = frozenset()
+    status: SeqStatus = SeqStatus.WAITING
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache on first admission
+    block_table: list[int] = field(default_factory=list)
+    generator: "torch.Generator | None" = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None
+    text: "OutputTextTracker | None" = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
+    num_preemptions: int = 0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
+
+
+@dataclass
+class CompletionDelta:
+    """What one sequence produced in one step (its text is released only once stop
+    strings can no longer swallow it)."""
+
+    index: int
+    token_ids: list[int]
+    text: str
+    logprobs: list[TokenLogprob]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class StepOutput:
+    """Everything one request produced in one engine step."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    deltas: list[CompletionDelta]
+    finished: bool
+    num_cached_tokens: int = 0
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # set once, with the first output
+    arrival_time: float = field(default_factory=time.time)

@@ -1,0 +1,84 @@
+"""Offline API: `LLM(model).generate(prompts, SamplingParams(...))` and `.chat(messages)`."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from ladle.config import EngineConfig
+from ladle.engine.engine import LLMEngine
+from ladle.engine.request import StepOutput, TokenLogprob
+from ladle.engine.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+Messages = list[dict[str, Any]]
+
+
+@dataclass
+class Completion:
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class GenerationResult:
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[Completion]
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+
+    def absorb(self, out: StepOutput) -> None:
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
+        for d in out.deltas:
+            c = self.outputs[d.index]
+            c.text += d.text
+            c.token_ids += d.token_ids
+            c.logprobs += d.logprobs
+            c.finish_reason, c.stop_reason = d.finish_reason, d.stop_reason
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **engine_args: Any):
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
+        self.tokenizer = self.engine.tokenizer
+        self._ids = itertools.count()
+
+    def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[GenerationResult]:
+        """Run all prompts through the engine together; results come back in input order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params_list = params if isinstance(params, Sequence) else [params or SamplingParams()] * len(prompts)
+        results: dict[str, GenerationResult] = {}
+        for prompt, p in zip(prompts, params_list, strict=True):
+            rid = str(next(self._ids))
+            ids = self.engine.add_request(rid, prompt, p)
+            results[rid] = GenerationResult(rid, ids, [Completion(i) for i in range(p.n)])
+        bar = _progress(len(results)) if use_tqdm else None
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                results[out.request_id].absorb(out)
+                if out.finished and bar is not None:
+                    bar.update(1)
+        if bar is not None:
+            bar.close()
+        return list(results.values())
+
+    def chat(self, messages: Messages | Sequence[Messages], params: SamplingParams | None = None,
+             use_tqdm: bool = False, **template_kwargs: Any) -> list[GenerationResult]:
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.tokenizer.apply_chat_template(m, add_generation_prompt=True, **template_kwargs)
+                   for m in conversations]
+        return self.generate(prompts, params, use_tqdm=use_tqdm)
+
+
+def _progress(total: int):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="requests", unit="req")

@@ -1,0 +1,117 @@
+"""Paged attention: K/V live in fixed-size blocks, read through each sequence's block table.
+
+The model calls an `AttentionBackend`; this file holds the portable torch one. A CUDA
+kernel (FlashInfer, flash-attn) can replace it by implementing the same two methods.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillSpan:
+    """One sequence's chunk of prompt tokens inside the flat token batch."""
+
+    start: int  # first row in the flat batch
+    end: int  # one past the last row
+    context_len: int  # tokens cached for the sequence once this chunk is written
+    block_table: torch.Tensor  # int64 block ids covering context_len
+
+
+@dataclass
+class AttentionMetadata:
+    """What every layer needs to attend for one step; built once by the runner.
+
+    Rows [0, num_decodes) of the flat batch are single-token decodes, the rest are
+    prefill chunks described by `prefills`.
+    """
+
+    slot_mapping: torch.Tensor  # [T] flat cache slot of each new token
+    num_decodes: int = 0
+    decode_block_tables: torch.Tensor | None = None  # [B, max_blocks]
+    decode_mask: torch.Tensor | None = None  # [B, 1, 1, max_blocks * block_size], True = attend
+    prefills: list[PrefillSpan] = field(default_factory=list)
+
+
+class AttentionBackend(Protocol):
+    def write_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None: ...
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor: ...
+
+
+class KVCache:
+    """Preallocated K and V storage: [layers, blocks, block_size, kv_heads, head_dim] each."""
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+        shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.block_size = block_size
+
+    @staticmethod
+    def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, itemsize: int = 4) -> int:
+        return 2 * num_layers * block_size * num_kv_heads * head_dim * itemsize
+
+
+class TorchPagedAttention:
+    """Attention over the paged cache with plain torch ops (scaled_dot_product_attention)."""
+
+    def __init__(self, cache: KVCache, num_heads: int, num_kv_heads: int, head_dim: int):
+        self.cache = cache
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+
+    def write_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
+        flat = (-1, self.num_kv_heads, self.head_dim)
+        self.cache.k[layer].view(flat).index_copy_(0, meta.slot_mapping, k)
+        self.cache.v[layer].view(flat).index_copy_(0, meta.slot_mapping, v)
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """q: [T, H, D]; k, v: [T, KVH, D] (this step's tokens, already in the cache). Returns [T, H*D]."""
+        out = torch.empty(q.shape[0], self.num_heads * self.head_dim, dtype=q.dtype, device=q.device)
+        if meta.num_decodes:
+            out[: meta.num_decodes] = self._decode(layer, q[: meta.num_decodes], meta)
+        for span in meta.prefills:
+            out[span.start : span.end] = self._prefill(layer, span, q, k, v)
+        return out
+
+    def _gather(self, cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+        """Blocks -> one contiguous run per sequence: [..., tokens, KVH, D]."""
+        # index_select copies whole blocks; several times faster than advanced indexing.
+        blocks = cache.index_select(0, block_table.flatten())
+        return blocks.view(*block_table.shape[:-1], -1, self.num_kv_heads, self.head_dim)
+
+    def _decode(self, layer: int, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        b = q.shape[0]
+        group = self.num_heads // self.num_kv_heads
+        # Grouped-query trick: the heads sharing one KV head attend as a group, so K/V
+        # are never repeated.
+        qg = q.view(b, self.num_kv_heads, group, self.head_dim)
+        k = self._gather(self.cache.k[layer], meta.decode_block_tables).transpose(1, 2)
+        v = self._gather(self.cache.v[layer], meta.decode_block_tables).transpose(1, 2)
+        o = F.scaled_dot_product_attention(qg, k, v, attn_mask=meta.decode_mask)
+        return o.reshape(b, self.num_heads * self.head_dim)
+
+    def _prefill(self, layer: int, span: PrefillSpan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        n = span.end - span.start
+        qs = q[span.start : span.end].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+        if span.context_len == n:  # nothing cached before this chunk: attend to the fresh K/V
+            ks = k[span.start : span.end]
+            vs = v[span.start : span.end]
+            mask, causal = None, True
+        else:
+            ks = self._gather(self.cache.k[layer], span.block_table)[: span.context_len]
+            vs = self._gather(self.cache.v[layer], span.block_table)[: span.context_len]
+            mask = torch.ones(n, span.context_len, dtype=torch.bool).tril(span.context_len - n)
+            causal = False
+        ks = ks.transpose(0, 1).unsqueeze(0)
+        vs = vs.transpose(0, 1).unsqueeze(0)
+        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=causal, enable_gqa=True)
+        return o[0].transpose(0, 1).reshape(n, self.num_heads * self.head_dim)

@@ -1,0 +1,94 @@
+"""The Llama family forward (Llama, SmolLM2, Qwen2/2.5, Qwen3) over a flat, packed token batch.
+
+Tokens of all sequences in a step are concatenated into one [T, hidden] matrix, so the
+linear layers never see padding; only attention needs to know where sequences begin.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ladle.model.attention import AttentionBackend, AttentionMetadata
+from ladle.model.config import ModelConfig
+from ladle.model.layers import RotaryEmbedding, rms_norm, silu_and_mul
+
+
+@dataclass
+class DecoderLayerWeights:
+    input_norm: torch.Tensor
+    qkv: torch.Tensor  # q, k and v projections fused: [(H + 2*KVH) * D, hidden]
+    qkv_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    o_proj: torch.Tensor
+    post_attn_norm: torch.Tensor
+    gate_up: torch.Tensor  # gate and up projections fused: [2 * intermediate, hidden]
+    down: torch.Tensor
+
+
+def _layer_weights(w: dict[str, torch.Tensor], i: int, cfg: ModelConfig) -> DecoderLayerWeights:
+    p = f"model.layers.{i}."
+    attn = p + "self_attn."
+    bias = None
+    if cfg.attention_bias:
+        bias = torch.cat([w.pop(attn + f"{n}_proj.bias") for n in "qkv"])
+    return DecoderLayerWeights(
+        input_norm=w.pop(p + "input_layernorm.weight"),
+        qkv=torch.cat([w.pop(attn + f"{n}_proj.weight") for n in "qkv"]).contiguous(),
+        qkv_bias=bias,
+        q_norm=w.pop(attn + "q_norm.weight") if cfg.qk_norm else None,
+        k_norm=w.pop(attn + "k_norm.weight") if cfg.qk_norm else None,
+        o_proj=w.pop(attn + "o_proj.weight"),
+        post_attn_norm=w.pop(p + "post_attention_layernorm.weight"),
+        gate_up=torch.cat([w.pop(p + "mlp.gate_proj.weight"), w.pop(p + "mlp.up_proj.weight")]).contiguous(),
+        down=w.pop(p + "mlp.down_proj.weight"),
+    )
+
+
+class LlamaForCausalLM:
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], attention: AttentionBackend):
+        w = dict(weights)
+        self.cfg = cfg
+        self.attention = attention
+        self.embed = w.pop("model.embed_tokens.weight")
+        self.layers = [_layer_weights(w, i, cfg) for i in range(cfg.num_hidden_layers)]
+        self.norm = w.pop("model.norm.weight")
+        lm_head = w.pop("lm_head.weight", None)
+        self.lm_head = self.embed if cfg.tie_word_embeddings or lm_head is None else lm_head
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        self.q_size = cfg.num_attention_heads * cfg.head_dim
+        self.kv_size = cfg.num_key_value_heads * cfg.head_dim
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions: [T]. Returns the final normed hidden states [T, hidden]."""
+        h = F.embedding(input_ids, self.embed)
+        for i, layer in enumerate(self.layers):
+            h = h + self._attention(i, layer, rms_norm(h, layer.input_norm, self.cfg.rms_norm_eps), positions, meta)
+            x = rms_norm(h, layer.post_attn_norm, self.cfg.rms_norm_eps)
+            h = h + F.linear(silu_and_mul(F.linear(x, layer.gate_up)), layer.down)
+        return rms_norm(h, self.norm, self.cfg.rms_norm_eps)
+
+    def _attention(self, i: int, layer: DecoderLayerWeights, x: torch.Tensor, positions: torch.Tensor,
+                   meta: AttentionMetadata) -> torch.Tensor:
+        cfg = self.cfg
+        t = x.shape[0]
+        qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, cfg.num_attention_heads, cfg.head_dim)
+        k = k.view(t, cfg.num_key_value_heads, cfg.head_dim)
+        v = v.view(t, cfg.num_key_value_heads, cfg.head_dim)
+        if layer.q_norm is not None:
+            q = rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
+            k = rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
+        q, k = self.rotary(positions, q, k)
+        self.attention.write_kv(i, k, v, meta)
+        o = self.attention.attend(i, q, k, v, meta)
+        return F.linear(o, layer.o_proj)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head)

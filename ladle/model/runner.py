@@ -1,0 +1,89 @@
+"""Model runner: one scheduled batch in, logits out.
+
+Builds the flat token batch (decodes first), positions, slot mapping and block tables,
+runs the forward, and computes logits only for rows that need them. It never
+allocates or frees blocks: the scheduler did that.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ladle.engine.request import Sequence
+from ladle.engine.scheduler import ScheduledSeq
+from ladle.model.attention import AttentionMetadata, KVCache, PrefillSpan, TorchPagedAttention
+from ladle.model.config import ModelConfig
+from ladle.model.llama import LlamaForCausalLM
+
+
+@dataclass
+class StepLogits:
+    """Logits of the rows that need them, keyed back to their sequences."""
+
+    sample_seqs: list[Sequence]  # sequences that sample a token this step
+    sample_logits: torch.Tensor  # [len(sample_seqs), V]
+    prompt_rows: list[tuple[Sequence, int, torch.Tensor]]  # (seq, first position, logits [n, V])
+
+
+class ModelRunner:
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], num_blocks: int, block_size: int):
+        self.cfg = cfg
+        self.block_size = block_size
+        self.kv_cache = KVCache(cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+        backend = TorchPagedAttention(self.kv_cache, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
+        self.model = LlamaForCausalLM(cfg, weights, backend)
+
+    def execute(self, batch: list[ScheduledSeq]) -> StepLogits:
+        batch = sorted(batch, key=lambda s: s.num_new_tokens != 1)  # decodes first
+        input_ids, positions, slots = [], [], []
+        for item in batch:
+            seq, start = item.seq, item.seq.num_computed_tokens
+            pos = range(start, start + item.num_new_tokens)
+            input_ids.extend(seq.token_ids[start : start + item.num_new_tokens])
+            positions.extend(pos)
+            table = seq.block_table
+            slots.extend(table[p // self.block_size] * self.block_size + p % self.block_size for p in pos)
+        meta = self._metadata(batch, torch.tensor(slots, dtype=torch.int64))
+        hidden = self.model.forward(torch.tensor(input_ids), torch.tensor(positions), meta)
+        return self._logits(batch, hidden)
+
+    def _metadata(self, batch: list[ScheduledSeq], slots: torch.Tensor) -> AttentionMetadata:
+        meta = AttentionMetadata(slot_mapping=slots)
+        decodes = [s.seq for s in batch if s.num_new_tokens == 1]
+        if decodes:
+            ctx = torch.tensor([s.num_computed_tokens + 1 for s in decodes])
+            width = max(len(s.block_table) for s in decodes)
+            tables = torch.zeros(len(decodes), width, dtype=torch.int64)
+            for i, s in enumerate(decodes):
+                tables[i, : len(s.block_table)] = torch.tensor(s.block_table)
+            keys = torch.arange(width * self.block_size)
+            meta.num_decodes = len(decodes)
+            meta.decode_block_tables = tables
+            meta.decode_mask = (keys[None, :] < ctx[:, None])[:, None, None, :]
+        row = len(decodes)
+        for item in batch[len(decodes) :]:
+            seq = item.seq
+            ctx = seq.num_computed_tokens + item.num_new_tokens
+            table = torch.tensor(seq.block_table[: -(-ctx // self.block_size)], dtype=torch.int64)
+            meta.prefills.append(PrefillSpan(row, row + item.num_new_tokens, ctx, table))
+            row += item.num_new_tokens
+        return meta
+
+    def _logits(self, batch: list[ScheduledSeq], hidden: torch.Tensor) -> StepLogits:
+        sample_rows, sample_seqs, prompt_rows = [], [], []
+        row = 0
+        for item in batch:
+            seq, n = item.seq, item.num_new_tokens
+            done_after = seq.num_computed_tokens + n
+            if seq.wants_prompt_logprobs and seq.num_computed_tokens < seq.num_prompt_tokens:
+                first = seq.num_computed_tokens
+                last = min(done_after, seq.num_prompt_tokens)
+                prompt_rows.append((seq, first, self.model.compute_logits(hidden[row : row + last - first])))
+            if done_after == seq.num_tokens:
+                sample_rows.append(row + n - 1)
+                sample_seqs.append(seq)
+            row += n
+        logits = self.model.compute_logits(hidden[sample_rows]) if sample_rows else hidden.new_empty(0, 0)
+        return StepLogits(sample_seqs, logits, prompt_rows)

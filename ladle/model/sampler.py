@@ -1,0 +1,84 @@
+"""Turns next-token logits into tokens: penalties, temperature, top-k/top-p/min-p, seeds.
+
+A seeded request draws from its own generator, so its tokens do not depend on what
+else shares the batch. Logprobs are those of the raw model distribution, as in vLLM.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ladle.engine.request import Sequence, TokenLogprob
+
+
+def top_logprobs(logprobs: torch.Tensor, k: int) -> list[tuple[int, float]]:
+    if k <= 0:
+        return []
+    values, ids = logprobs.topk(k)
+    return list(zip(ids.tolist(), values.tolist()))
+
+
+def token_logprob(logprobs: torch.Tensor, token_id: int, k: int) -> TokenLogprob:
+    return TokenLogprob(token_id, float(logprobs[token_id]), top_logprobs(logprobs, k))
+
+
+class Sampler:
+    def __init__(self, seed: int = 0):
+        self.shared_generator = torch.Generator().manual_seed(seed)
+
+    @torch.inference_mode()
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[tuple[int, TokenLogprob | None]]:
+        raw = None
+        if any(s.params.logprobs is not None for s in seqs):
+            raw = torch.log_softmax(logits.float(), dim=-1)
+        results = []
+        for i, seq in enumerate(seqs):
+            token = self._sample_row(logits[i], seq)
+            lp = None
+            if raw is not None and seq.params.logprobs is not None:
+                lp = token_logprob(raw[i], token, seq.params.logprobs)
+            results.append((token, lp))
+        return results
+
+    def _sample_row(self, x: torch.Tensor, seq: Sequence) -> int:
+        p = seq.params
+        if p.needs_penalties or seq.num_output_tokens < p.min_tokens:
+            x = x.clone()
+            self._penalise(x, seq)
+        if p.greedy:
+            return int(x.argmax())
+        x = x / p.temperature
+        if p.top_k > 0 and p.top_k < x.shape[-1]:
+            kth = x.topk(p.top_k).values[-1]
+            x = x.masked_fill(x < kth, float("-inf"))
+        if p.top_p < 1.0:
+            x = _top_p(x, p.top_p)
+        probs = torch.softmax(x, dim=-1)
+        if p.min_p > 0.0:
+            probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
+        gen = seq.generator or self.shared_generator
+        # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p, one generator call per row.
+        race = torch.empty_like(probs).exponential_(1.0, generator=gen)
+        return int((probs / race).argmax())
+
+    def _penalise(self, x: torch.Tensor, seq: Sequence) -> None:
+        p = seq.params
+        if seq.num_output_tokens < p.min_tokens:
+            banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(seq.eos_token_ids))
+            if banned:
+                x[torch.tensor(banned)] = float("-inf")
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(seq.token_ids)))
+            vals = x[seen]
+            x[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+        if (p.presence_penalty or p.frequency_penalty) and seq.num_output_tokens:
+            counts = torch.bincount(torch.tensor(seq.output_token_ids), minlength=x.shape[-1])[: x.shape[-1]]
+            x -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+
+
+def _top_p(x: torch.Tensor, top_p: float) -> torch.Tensor:
+    sorted_x, order = x.sort(descending=True)
+    probs = torch.softmax(sorted_x, dim=-1)
+    drop_sorted = (probs.cumsum(-1) - probs) > top_p  # keep the smallest set reaching top_p
+    drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
+    return x.masked_fill(drop, float("-inf"))

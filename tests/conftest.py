@@ -1,0 +1,36 @@
+"""Shared, slow-to-build fixtures: the converted default model and transformers' own GGUF load of it."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from ladle.model.loader import default_gguf_path, resolve_model_path
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The default model converted (once per session, ~10 s) into a session-private cache."""
+    old = os.environ.get("LADLE_CACHE_DIR")
+    os.environ["LADLE_CACHE_DIR"] = str(tmp_path_factory.mktemp("ladle-cache"))
+    try:
+        yield resolve_model_path(None)
+    finally:
+        if old is None:
+            os.environ.pop("LADLE_CACHE_DIR", None)
+        else:
+            os.environ["LADLE_CACHE_DIR"] = old
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2():
+    """(model, tokenizer) as transformers loads the default GGUF directly: the reference (~15 s)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = default_gguf_path()
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    return model.eval(), tokenizer
