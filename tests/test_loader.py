@@ -140,12 +140,17 @@ def _write_tiny_gguf(path: Path, arch: str) -> tuple[dict[str, torch.Tensor], ob
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-def test_tiny_gguf_round_trip(tmp_path: Path, arch: str) -> None:
+def test_tiny_gguf_round_trip(tmp_path: Path, arch: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    import ladle.model.gguf as g
     from transformers import AutoModelForCausalLM
 
     gguf_path = tmp_path / f"tiny-{arch}.gguf"
     expected, model = _write_tiny_gguf(gguf_path, arch)
+    if arch == "qwen3":
+        monkeypatch.setattr(g, "SHARD_BYTES", 1 << 20)  # exercise the sharded output
     folder = convert_gguf(gguf_path, tmp_path / "converted")
+    shards = sorted(p.name for p in folder.glob("*.safetensors"))
+    assert len(shards) > 1 if arch == "qwen3" else shards == ["model.safetensors"]
     ours = load_weights(folder)
     assert ours.keys() == expected.keys()
     for name, tensor in expected.items():

@@ -1,0 +1,1 @@
+"""Load-testing client for OpenAI-compatible servers (`ladle bench`): talks HTTP only, imports no engine."""

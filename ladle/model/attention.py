@@ -50,13 +50,27 @@ class KVCache:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
         shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.k = _zeros(shape, dtype, device)
+        self.v = _zeros(shape, dtype, device)
         self.block_size = block_size
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, itemsize: int = 4) -> int:
         return 2 * num_layers * block_size * num_kv_heads * head_dim * itemsize
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.device) -> torch.Tensor:
+    """Zeroed storage that costs memory only as blocks are first written.
+
+    Masked attention weighs unused slots by exactly 0, which is only harmless if they
+    hold finite numbers, so they must start zeroed; numpy's zeros is calloc, whose
+    large allocations are lazily zeroed pages, where torch.zeros would touch every byte.
+    """
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    import numpy as np
+
+    return torch.from_numpy(np.zeros(shape, dtype=np.float32)).to(dtype)
 
 
 class TorchPagedAttention:

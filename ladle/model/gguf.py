@@ -84,7 +84,10 @@ def gguf_config(reader: GGUFReader) -> dict[str, Any]:
     if arch not in HF_ARCHITECTURES:
         raise ValueError(f"GGUF architecture {arch!r} is not supported; ladle converts {', '.join(HF_ARCHITECTURES)}")
     tensors = {t.name: t for t in reader.tensors}
-    a = lambda key, default=None: _meta(reader, f"{arch}.{key}", default)  # noqa: E731
+
+    def a(key: str, default: Any = None) -> Any:
+        return _meta(reader, f"{arch}.{key}", default)
+
     heads = int(a("attention.head_count"))
     kv_heads = a("attention.head_count_kv", heads)
     kv_heads = int(max(kv_heads) if isinstance(kv_heads, list) else kv_heads)

@@ -1,0 +1,268 @@
+"""`ladle bench serve | sweep`: load-test any OpenAI-compatible server (ladle, vLLM, SGLang, llama.cpp).
+
+Flags follow `vllm bench serve` where it has them, so the numbers compare.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+from ladle.bench.client import Target, is_chat
+from ladle.bench.datasets import DATASETS, DatasetSpec, SampleRequest, sample_requests
+from ladle.bench.discover import TargetInfo, check_request, discover
+from ladle.bench.metrics import LATENCY_METRICS, compute_metrics, parse_goodput, parse_percentiles, per_request_fields
+from ladle.bench.report import format_table, provenance, result_path, timestamp, write_json
+from ladle.bench.runner import LoadSpec, run_load
+from ladle.bench.sweep import BY, SweepSpec, run_sweep
+
+PROBE_SEED_OFFSET = 999_983  # the initial test request comes from its own draw, not the benchmark's prompts
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="bench_command", metavar="{serve,sweep}")
+    serve = sub.add_parser("serve", help="one benchmark run: throughput, goodput and latency percentiles")
+    _add_common(serve, num_prompts=1000)
+    serve.add_argument("--request-rate", type=float, default=math.inf,
+                       help="requests per second (default inf: all at once)")
+    serve.add_argument("--save-result", action="store_true", help="write the result JSON")
+    serve.add_argument("--save-detailed", action="store_true", help="also write per-request arrays")
+    serve.add_argument("--metadata", nargs="*", metavar="KEY=VALUE", help="extra fields for the result JSON")
+
+    sweep = sub.add_parser("sweep", help="step the load up until goodput falls below half its peak; find the knee")
+    _add_common(sweep, num_prompts=200)
+    sweep.add_argument("--by", choices=BY, default="rate", help="load axis: request rate or max concurrency")
+    sweep.add_argument("--loads", type=str, default=None, help="explicit loads, e.g. 1,2,4,8")
+    sweep.add_argument("--start", type=float, default=1.0, help="first load (without --loads)")
+    sweep.add_argument("--factor", type=float, default=2.0, help="load multiplier per step (without --loads)")
+    sweep.add_argument("--max-steps", type=int, default=10)
+    sweep.add_argument("--knee-fraction", type=float, default=0.9,
+                       help="goodput must stay within this fraction of the offered load for the knee")
+    sweep.add_argument("--stop-fraction", type=float, default=0.5, help="stop once goodput < this x its peak")
+    sweep.add_argument("--no-plot", action="store_true", help="skip the PNG")
+
+
+def _add_common(p: argparse.ArgumentParser, num_prompts: int) -> None:
+    t = p.add_argument_group("target")
+    t.add_argument("--base-url", default=None, help="server root, e.g. http://127.0.0.1:8000 (a trailing /v1 is fine)")
+    t.add_argument("--host", default="127.0.0.1")
+    t.add_argument("--port", type=int, default=8000)
+    t.add_argument("--endpoint", default="/v1/completions", help="/v1/completions or /v1/chat/completions")
+    t.add_argument("--model", default=None, help="served model name (default: the first of /v1/models)")
+    t.add_argument("--api-key", default=None, help="bearer token (default: $OPENAI_API_KEY)")
+    t.add_argument("--header", nargs="*", metavar="KEY=VALUE", help="extra HTTP headers")
+    t.add_argument("--request-timeout", type=float, default=6 * 3600.0, help="seconds per request")
+
+    d = p.add_argument_group("dataset")
+    d.add_argument("--dataset", "--dataset-name", dest="dataset", choices=DATASETS, default="random")
+    d.add_argument("--dataset-path", default=None, help="ShareGPT JSON file (--dataset sharegpt)")
+    d.add_argument("--num-prompts", type=int, default=num_prompts, help="requests per run (per step in a sweep)")
+    d.add_argument("--input-len", type=int, default=None, help="sets --random-input-len")
+    d.add_argument("--output-len", type=int, default=None, help="sets every dataset's output length")
+    d.add_argument("--random-input-len", type=int, default=1024)
+    d.add_argument("--random-output-len", type=int, default=128)
+    d.add_argument("--random-range-ratio", type=float, default=0.0)
+    d.add_argument("--random-prefix-len", type=int, default=0)
+    d.add_argument("--sharegpt-output-len", type=int, default=None)
+    d.add_argument("--prefix-len", "--prefix-repetition-prefix-len", dest="prefix_len", type=int, default=512)
+    d.add_argument("--prefix-suffix-len", "--prefix-repetition-suffix-len", dest="prefix_suffix_len", type=int,
+                   default=128)
+    d.add_argument("--prefix-num-prefixes", "--prefix-repetition-num-prefixes", dest="prefix_num_prefixes",
+                   type=int, default=1)
+    d.add_argument("--prefix-output-len", "--prefix-repetition-output-len", dest="prefix_output_len", type=int,
+                   default=128)
+    d.add_argument("--agent-turns", type=int, default=6)
+    d.add_argument("--agent-system-len", type=int, default=1024)
+    d.add_argument("--agent-burst-len", type=int, default=256, help="typical tokens of one tool result")
+    d.add_argument("--agent-output-len", type=int, default=64)
+    d.add_argument("--decisions-input-len", type=int, default=256)
+    d.add_argument("--decisions-questions", type=int, default=3)
+    d.add_argument("--decisions-options", type=int, default=4)
+    d.add_argument("--tokens-per-word", type=float, default=None,
+                   help="prompt tokens per generated word (default: measured via /tokenize, else 1.0)")
+    d.add_argument("--no-tokenize", action="store_true", help="do not calibrate prompt lengths via /tokenize")
+
+    r = p.add_argument_group("load and measurement")
+    r.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of inter-arrival times (1 = Poisson)")
+    r.add_argument("--max-concurrency", type=int, default=None)
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--goodput", nargs="+", metavar="KEY:MS", help="SLOs, e.g. ttft:500 tpot:50 e2el:10000")
+    r.add_argument("--percentiles", "--metric-percentiles", dest="percentiles", default="99",
+                   help="comma-separated percentiles, e.g. 50,90,99")
+    r.add_argument("--percentile-metrics", default=",".join(LATENCY_METRICS), help="metrics shown in the table")
+    r.add_argument("--ignore-eos", action="store_true", help="send ignore_eos (always on for --dataset random)")
+    r.add_argument("--temperature", type=float, default=None)
+    r.add_argument("--top-p", type=float, default=None)
+    r.add_argument("--top-k", type=int, default=None)
+    r.add_argument("--extra-body", type=json.loads, default=None, help="JSON merged into every request body")
+    r.add_argument("--skip-initial-test", action="store_true", help="do not send one test request first")
+    r.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
+
+    o = p.add_argument_group("output")
+    o.add_argument("--label", default=None, help="result file prefix (default: openai or openai-chat)")
+    o.add_argument("--result-dir", default=None)
+    o.add_argument("--result-filename", default=None)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.bench_command is None:
+        print("usage: ladle bench {serve,sweep} ... (ladle bench serve --help)", file=sys.stderr)
+        return 2
+    main = _serve if args.bench_command == "serve" else _sweep
+    try:
+        return asyncio.run(main(args))
+    except (RuntimeError, ValueError, OSError) as e:
+        print(f"ladle bench: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+def _base_url(args: argparse.Namespace) -> str:
+    base = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
+    if base.endswith("/v1") and args.endpoint.startswith("/v1/"):
+        base = base[: -len("/v1")]  # OpenAI clients' base URLs end in /v1; our endpoints carry it
+    return base
+
+
+def _pairs(items: list[str] | None, what: str) -> dict[str, str]:
+    out = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"bad {what} {item!r}: use KEY=VALUE")
+        out[key.strip()] = value.strip()
+    return out
+
+
+def _dataset_spec(args: argparse.Namespace) -> DatasetSpec:
+    spec = DatasetSpec(**{k: getattr(args, k) for k in DatasetSpec.__dataclass_fields__ if k not in ("name", "path")},
+                       name=args.dataset, path=args.dataset_path)
+    if args.input_len is not None:
+        spec.random_input_len = args.input_len
+    if args.output_len is not None:
+        for key in ("random_output_len", "sharegpt_output_len", "prefix_output_len", "agent_output_len"):
+            setattr(spec, key, args.output_len)
+    return spec
+
+
+async def _prepare(args: argparse.Namespace) -> tuple[TargetInfo, DatasetSpec, dict[str, float], list[float]]:
+    slo = parse_goodput(args.goodput)
+    percentiles = parse_percentiles(args.percentiles)
+    if args.num_prompts < 1:
+        raise ValueError("--num-prompts must be at least 1")
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        raise ValueError("--max-concurrency must be at least 1")
+    sampling = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}
+    target = Target(
+        base_url=_base_url(args), model=args.model or "", endpoint=args.endpoint, api_key=args.api_key,
+        ignore_eos=args.ignore_eos or args.dataset == "random",  # as vLLM: random runs to its output length
+        extra_body={**{k: v for k, v in sampling.items() if v is not None}, **(args.extra_body or {})},
+        headers=_pairs(args.header, "--header"), timeout_s=args.request_timeout,
+    )
+    spec = _dataset_spec(args)
+    calibrate = not args.no_tokenize and args.dataset != "sharegpt"
+    info = await discover(target, args.tokens_per_word, calibrate=calibrate)
+    if not args.skip_initial_test:
+        await check_request(info.target, _requests(spec, info, 1, args.seed + PROBE_SEED_OFFSET)[0])
+    return info, spec, slo, percentiles
+
+
+def _requests(spec: DatasetSpec, info: TargetInfo, n: int, seed: int) -> list[SampleRequest]:
+    return sample_requests(spec, n, seed, info.tokens_per_word)
+
+
+def _header(args: argparse.Namespace, info: TargetInfo, extra: dict[str, Any]) -> dict[str, Any]:
+    backend = "openai-chat" if is_chat(args.endpoint) else "openai"
+    flags = {k: v for k, v in vars(args).items() if k != "bench_command"}
+    return {
+        "date": timestamp(),
+        "backend": backend,
+        "label": args.label or backend,
+        "model_id": info.target.model,
+        "base_url": info.target.base_url,
+        "endpoint": args.endpoint,
+        "dataset": args.dataset,
+        "num_prompts": args.num_prompts,
+        **extra,
+        "tokens_per_word": info.tokens_per_word,
+        "tokens_per_word_source": info.tokens_per_word_source,
+        "provenance": provenance(flags, info.target.model, info.version, subcommand=args.bench_command),
+    }
+
+
+def _model_stem(model: str) -> str:
+    return model.rstrip("/").split("/")[-1] or "model"
+
+
+async def _serve(args: argparse.Namespace) -> int:
+    info, spec, slo, percentiles = await _prepare(args)
+    requests = _requests(spec, info, args.num_prompts, args.seed)
+    load = LoadSpec(request_rate=args.request_rate, burstiness=args.burstiness,
+                    max_concurrency=args.max_concurrency, seed=args.seed)
+    rate_text = "inf" if math.isinf(load.request_rate) else f"{load.request_rate:g}"
+    print(f"Traffic request rate: {rate_text}\nBurstiness factor: {load.burstiness:g} "
+          f"({'Poisson process' if load.burstiness == 1 else 'Gamma distribution'})\n"
+          f"Maximum request concurrency: {load.max_concurrency}", flush=True)
+    run = await run_load(info.target, requests, load, progress=not args.disable_tqdm)
+    metrics = compute_metrics(run.results, run.duration, percentiles, slo or None)
+    traffic = {"request_rate": "inf" if math.isinf(load.request_rate) else load.request_rate,
+               "burstiness": load.burstiness, "max_concurrency": load.max_concurrency,
+               "goodput_slo_ms": slo or None}
+    result = {**_header(args, info, traffic), **_pairs(args.metadata, "--metadata"), **metrics}
+    shown = tuple(m.strip() for m in args.percentile_metrics.split(",") if m.strip() in LATENCY_METRICS)
+    print(format_table(result, percentiles, shown))
+    errors = [r.error for r in run.results if not r.success]
+    for i, err in enumerate(errors[:5]):
+        print(f"error {i}: {err}", file=sys.stderr)
+    if args.save_result or args.save_detailed:
+        if args.save_detailed:
+            result.update(per_request_fields(run.results))
+        concurrency = f"-concurrency{load.max_concurrency}" if load.max_concurrency else ""
+        name = f"{result['label']}-{rate_text}qps{concurrency}-{_model_stem(info.target.model)}-{result['date']}.json"
+        path = result_path(args.result_dir, args.result_filename, name)
+        write_json(path, result)
+        print(f"result written to {path}")
+    return 0 if metrics["completed"] else 1
+
+
+async def _sweep(args: argparse.Namespace) -> int:
+    loads = [float(x) for x in args.loads.split(",") if x.strip()] if args.loads else None
+    sweep_spec = SweepSpec(by=args.by, loads=loads, start=args.start, factor=args.factor, max_steps=args.max_steps,
+                           knee_fraction=args.knee_fraction, stop_fraction=args.stop_fraction)
+    sweep_spec.schedule()  # validate before touching the target
+    if not args.goodput:
+        raise ValueError("a sweep needs --goodput, e.g. --goodput ttft:500 tpot:50")
+    info, spec, slo, percentiles = await _prepare(args)
+    base = LoadSpec(burstiness=args.burstiness, max_concurrency=args.max_concurrency, seed=args.seed)
+
+    def make_requests(step: int) -> list[SampleRequest]:
+        return _requests(spec, info, args.num_prompts, args.seed + step)
+
+    sweep = await run_sweep(info.target, make_requests, sweep_spec, base, percentiles, slo,
+                            progress=not args.disable_tqdm, log=lambda line: print(line, flush=True))
+    result = {**_header(args, info, {"burstiness": args.burstiness}), "model": info.target.model, **sweep}
+    name = f"sweep-{args.by}-{_model_stem(info.target.model)}-{result['date']}.json"
+    path = result_path(args.result_dir, args.result_filename, name)
+    write_json(path, result)
+    print(f"sweep written to {path}")
+    if not args.no_plot:
+        from ladle.bench.plot import plot_sweep
+
+        png = Path(path).with_suffix(".png")
+        plot_sweep(result, png)
+        print(f"plot written to {png}")
+    knee = sweep["knee"]
+    if knee is None:
+        print(f"knee: none (even the lowest load's goodput fell short); stopped: {sweep['stop_reason']}")
+    else:
+        print(f"knee: {args.by} {knee['load']:g} (goodput {knee['request_goodput']:.2f} req/s, "
+              f"p99 TTFT {knee['p99_ttft_ms']:.1f} ms, p99 TPOT {knee['p99_tpot_ms']:.1f} ms); "
+              f"stopped: {sweep['stop_reason']}")
+    return 0
+

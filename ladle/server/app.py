@@ -1,0 +1,38 @@
+"""The FastAPI application: routes, OpenAI-shaped errors, body limit, optional API key."""
+
+from __future__ import annotations
+
+from contextlib import asynccontextmanager
+from typing import AsyncIterator
+
+from fastapi import FastAPI
+
+from ladle import __version__
+from ladle.engine.async_engine import AsyncEngine
+from ladle.server import openai_routes, utility_routes
+from ladle.server.context import ServerContext
+from ladle.server.errors import install_error_handlers
+from ladle.server.middleware import APIKeyMiddleware, BodyLimitMiddleware
+
+DEFAULT_MAX_BODY_BYTES = 16 * 2**20
+
+
+def create_app(engine: AsyncEngine, served_model_name: str, api_key: str | None = None,
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+    """The app starts the engine thread on startup; stopping it is the caller's (`engine.shutdown()`),
+    so one engine can outlive several apps."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        engine.start()
+        yield
+
+    app = FastAPI(title="ladle", version=__version__, lifespan=lifespan)
+    app.state.ctx = ServerContext(engine, served_model_name, model_root=str(engine.engine.model_path))
+    install_error_handlers(app)
+    app.include_router(openai_routes.router)
+    app.include_router(utility_routes.router)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)  # outermost: no body is read before the key
+    return app

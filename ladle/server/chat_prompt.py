@@ -1,0 +1,53 @@
+"""OpenAI chat messages -> prompt text, through the model's own chat template."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jinja2
+
+from ladle.errors import InvalidRequestError
+from ladle.model.tokenizer import Tokenizer
+from ladle.server.protocol import ChatMessage
+
+ROLES = ("system", "user", "assistant", "developer")
+_RESERVED = {"messages", "add_generation_prompt"}
+
+
+def chat_prompt(tokenizer: Tokenizer, messages: list[ChatMessage], add_generation_prompt: bool = True,
+                continue_final_message: bool = False, template_kwargs: dict[str, Any] | None = None) -> str:
+    """Render the conversation; raises InvalidRequestError naming the message at fault."""
+    rendered_messages = []
+    for i, m in enumerate(messages):
+        if m.role not in ROLES:
+            raise InvalidRequestError(f"role {m.role!r} is not supported; use system, user or assistant",
+                                      param=f"messages[{i}].role")
+        # "developer" is what newer OpenAI clients call the system message
+        msg = {"role": "system" if m.role == "developer" else m.role, "content": m.text(f"messages[{i}]")}
+        if m.name:
+            msg["name"] = m.name
+        rendered_messages.append(msg)
+    kwargs = dict(template_kwargs or {})
+    if _RESERVED & kwargs.keys():
+        raise InvalidRequestError(f"chat_template_kwargs may not set {sorted(_RESERVED & kwargs.keys())}",
+                                  param="chat_template_kwargs")
+    try:
+        text = tokenizer.apply_chat_template(
+            rendered_messages, add_generation_prompt=add_generation_prompt and not continue_final_message, **kwargs)
+    except jinja2.TemplateError as e:
+        raise InvalidRequestError(f"the model's chat template rejected the messages: {e}", param="messages") from e
+    except (TypeError, ValueError) as e:
+        raise InvalidRequestError(f"could not render the chat template: {e}", param="chat_template_kwargs") from e
+    if continue_final_message:
+        text = _cut_after_final_message(text, rendered_messages[-1])
+    return text
+
+
+def _cut_after_final_message(text: str, final: dict[str, Any]) -> str:
+    """Leave the last (assistant) message open, so generation continues it (vLLM's continue_final_message)."""
+    content = final["content"].rstrip()
+    at = text.rfind(content) if content else -1
+    if final["role"] != "assistant" or at < 0:
+        raise InvalidRequestError("continue_final_message needs a final assistant message with content",
+                                  param="continue_final_message")
+    return text[: at + len(content)]

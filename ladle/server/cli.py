@@ -1,0 +1,45 @@
+"""`ladle serve [MODEL] [--host] [--port] [--api-key] [engine flags]`."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from ladle.config import add_engine_arguments, engine_config_from_args
+
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_engine_arguments(parser)
+    g = parser.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--api-key", default=os.environ.get("LADLE_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $LADLE_API_KEY, else none)")
+    g.add_argument("--max-request-body-bytes", type=int, default=None, help="larger bodies get 413 (default 16 MiB)")
+    g.add_argument("--uvicorn-log-level", choices=LOG_LEVELS, default="info")
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from ladle.engine.async_engine import AsyncEngine
+    from ladle.engine.engine import LLMEngine
+    from ladle.server.app import DEFAULT_MAX_BODY_BYTES, create_app
+    from ladle.server.context import served_model_name
+
+    config = engine_config_from_args(args)
+    name = served_model_name(config)
+    engine = AsyncEngine(LLMEngine(config))
+    app = create_app(engine, name, api_key=args.api_key,
+                     max_body_bytes=args.max_request_body_bytes or DEFAULT_MAX_BODY_BYTES)
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    print(f"ladle: serving {name} (max_model_len {engine.max_model_len}) at http://{host}:{args.port}/v1",
+          file=sys.stderr, flush=True)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level, timeout_keep_alive=30)
+    finally:
+        engine.shutdown()
+    return 0

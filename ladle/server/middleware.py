@@ -1,0 +1,81 @@
+"""Pure ASGI guards in front of the routes: body size limit and the optional API key.
+
+Pure ASGI (not BaseHTTPMiddleware) so that streamed responses and client
+disconnects pass through untouched.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from ladle.server.errors import error_body
+
+
+async def send_error(send: Send, status: int, message: str, code: str | None = None,
+                     headers: list[tuple[bytes, bytes]] | None = None) -> None:
+    body = json.dumps(error_body(status, message, code=code)).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            *(headers or [])]})
+    await send({"type": "http.response.body", "body": body})
+
+
+class BodyLimitMiddleware:
+    """Reads each request body up front, answering 413 past `max_bytes`, then replays it to the app."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int):
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            return await self._too_large(send, int(length))
+        chunks, size, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_bytes:
+                return await self._too_large(send, size)
+            chunks.append(chunk)
+            more = message.get("more_body", False)
+        replay: Message | None = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+
+        async def replay_then_receive() -> Message:
+            nonlocal replay
+            if replay is not None:
+                message, replay = replay, None
+                return message
+            return await receive()
+
+        await self.app(scope, replay_then_receive, send)
+
+    async def _too_large(self, send: Send, size: int) -> None:
+        await send_error(send, 413, f"the request body is too large ({size} bytes or more; the limit is "
+                         f"{self.max_bytes} bytes)", code="request_too_large", headers=[(b"connection", b"close")])
+
+
+class APIKeyMiddleware:
+    """Requires `Authorization: Bearer <key>` on /v1/* (as vLLM's --api-key)."""
+
+    def __init__(self, app: ASGIApp, api_key: str):
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] == "OPTIONS" or not scope["path"].startswith("/v1"):
+            return await self.app(scope, receive, send)
+        given = dict(scope["headers"]).get(b"authorization", b"")
+        if not secrets.compare_digest(given, self.expected):
+            message = "Incorrect API key provided" if given else "Missing API key: send 'Authorization: Bearer <key>'"
+            return await send_error(send, 401, message, code="invalid_api_key",
+                                    headers=[(b"www-authenticate", b"Bearer")])
+        await self.app(scope, receive, send)

@@ -1,0 +1,243 @@
+"""POST /v1/chat/completions and POST /v1/completions, streamed (SSE) or not."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import TypeVar
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ValidationError
+
+from ladle.engine.async_engine import RequestStream
+from ladle.engine.sampling_params import SamplingParams
+from ladle.errors import InvalidRequestError
+from ladle.server.chat_prompt import chat_prompt
+from ladle.server.context import ServerContext, get_context
+from ladle.server.errors import validation_error
+from ladle.server.logprobs import CompletionLogprobsBuilder, chat_logprobs
+from ladle.server.protocol import (
+    AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
+    ChatCompletionResponse, CompletionChoice, CompletionRequest, CompletionResponse, DeltaMessage, Usage, random_id,
+)
+from ladle.server.streaming import (
+    DONE, ClientDisconnected, abort_all, collect, merge, sse_error, sse_event, sse_response, unless_disconnected,
+)
+
+router = APIRouter()
+M = TypeVar("M", bound=BaseModel)
+
+
+async def parse_body(request: Request, model: type[M]) -> M:
+    """Validate the JSON body ourselves, so every problem is a 400 naming the field (never a 422)."""
+    try:
+        return model.model_validate_json(await request.body())
+    except ValidationError as e:
+        raise validation_error(e.errors()) from None
+
+
+def _renames(req: ChatCompletionRequest | CompletionRequest) -> dict[str, str]:
+    """Engine parameter names -> the request fields the client actually sent."""
+    if isinstance(req, CompletionRequest):
+        return {}
+    return {"prompt": "messages", "max_tokens": req.max_tokens_field}
+
+
+def _renamed(e: InvalidRequestError, renames: dict[str, str]) -> InvalidRequestError:
+    new = renames.get(e.param or "")
+    if new is None or new == e.param:
+        return e
+    message = e.message.replace("max_tokens", new) if e.param == "max_tokens" else e.message
+    return InvalidRequestError(message, new, e.code)
+
+
+def _sampling_params(ctx: ServerContext, req: ChatCompletionRequest | CompletionRequest) -> SamplingParams:
+    try:
+        params = req.to_sampling_params()
+    except InvalidRequestError as e:
+        raise _renamed(e, _renames(req)) from None
+    vocab = ctx.engine.vocab_size
+    if any(not 0 <= t < vocab for t in params.stop_token_ids):
+        raise InvalidRequestError(f"stop_token_ids must be in [0, {vocab})", param="stop_token_ids")
+    return params
+
+
+async def _submit(ctx: ServerContext, request_id: str, prompt: list[int], params: SamplingParams, priority: int,
+                  renames: dict[str, str]) -> RequestStream:
+    try:
+        return await ctx.engine.add_request(request_id, prompt, params, priority)
+    except InvalidRequestError as e:
+        raise _renamed(e, renames) from None
+
+
+# -- chat ------------------------------------------------------------------------
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request) -> Response:
+    ctx = get_context(request)
+    req = await parse_body(request, ChatCompletionRequest)
+    ctx.check_model(req.model)
+    req.check_supported()
+    params = _sampling_params(ctx, req)
+    prompt = chat_prompt(ctx.engine.tokenizer, req.messages, req.add_generation_prompt,
+                         req.continue_final_message, req.chat_template_kwargs)
+    ids = ctx.engine.tokenizer.encode(prompt)
+    request_id = random_id("chatcmpl")
+    stream = await _submit(ctx, request_id, ids, params, req.priority, _renames(req))
+    if req.stream:
+        return sse_response(_chat_events(ctx, req, stream))
+    try:
+        result, cached = await unless_disconnected(request, collect(stream, req.n))
+    except ClientDisconnected:
+        return Response(status_code=499)
+    choices = [
+        ChatChoice(index=c.index, message=AssistantMessage(content=c.text), finish_reason=c.finish_reason,
+                   stop_reason=c.stop_reason, logprobs=chat_logprobs(ctx.names, c.logprobs) if req.logprobs else None)
+        for c in result.outputs
+    ]
+    usage = Usage.of(len(ids), sum(len(c.token_ids) for c in result.outputs), cached)
+    body = ChatCompletionResponse(id=request_id, model=ctx.model_name, choices=choices, usage=usage)
+    return JSONResponse(body.model_dump(mode="json"))
+
+
+async def _chat_events(ctx: ServerContext, req: ChatCompletionRequest, stream: RequestStream) -> AsyncIterator[str]:
+    created = int(time.time())
+    exclude = None if req.include_usage else {"usage"}
+
+    def event(choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
+        chunk = ChatCompletionChunk(id=stream.request_id, created=created, model=ctx.model_name,
+                                    choices=choices, usage=usage)
+        return sse_event(chunk, exclude)
+
+    started: set[int] = set()
+    completion_tokens = cached = 0
+    try:
+        async for out in stream:
+            cached = out.num_cached_tokens
+            for d in out.deltas:
+                completion_tokens += len(d.token_ids)
+                if d.index not in started:  # the first chunk of each choice carries the role
+                    started.add(d.index)
+                    yield event([ChatChunkChoice(index=d.index, delta=DeltaMessage(role="assistant", content=""))])
+                logprobs = chat_logprobs(ctx.names, d.logprobs) if req.logprobs and d.logprobs else None
+                if not (d.text or d.finish_reason or logprobs):
+                    continue  # text held back (stop strings, split characters): nothing to say yet
+                delta = DeltaMessage(content=d.text) if d.text or logprobs else DeltaMessage()
+                yield event([ChatChunkChoice(index=d.index, delta=delta, logprobs=logprobs,
+                                             finish_reason=d.finish_reason, stop_reason=d.stop_reason)])
+        if req.include_usage:
+            yield event([], Usage.of(len(stream.prompt_token_ids), completion_tokens, cached))
+    except Exception as e:
+        yield sse_error(e)
+    finally:
+        stream.abort()  # a client that left (cancellation lands here) frees its blocks at once
+    yield DONE
+
+
+# -- completions -----------------------------------------------------------------
+
+
+@router.post("/v1/completions")
+async def completions(request: Request) -> Response:
+    ctx = get_context(request)
+    req = await parse_body(request, CompletionRequest)
+    ctx.check_model(req.model)
+    req.check_supported()
+    params = _sampling_params(ctx, req)
+    prompts = req.prompts()
+    tok = ctx.engine.tokenizer
+    prompt_ids = [tok.encode(p, add_special_tokens=req.add_special_tokens) if isinstance(p, str) else list(p)
+                  for p in prompts]
+    request_id = random_id("cmpl")
+    streams: list[RequestStream] = []
+    try:
+        for i, ids in enumerate(prompt_ids):
+            rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+            streams.append(await _submit(ctx, rid, ids, params, req.priority, {}))
+    except BaseException:
+        abort_all(streams)
+        raise
+    # only now are token id prompts known to be valid
+    prompt_texts = [p if isinstance(p, str) else tok.decode(p, skip_special_tokens=False) if req.echo else ""
+                    for p in prompts]
+    if req.stream:
+        return sse_response(_completion_events(ctx, req, request_id, streams, prompt_texts))
+    try:
+        results = await unless_disconnected(request, _collect_all(streams, req.n))
+    except ClientDisconnected:
+        return Response(status_code=499)
+    choices, completion_tokens, cached = [], 0, 0
+    for i, (result, n_cached) in enumerate(results):
+        cached += n_cached
+        for c in result.outputs:
+            completion_tokens += len(c.token_ids)
+            text, logprobs = c.text, None
+            token_ids, lps = c.token_ids, c.logprobs
+            if req.echo:
+                text = prompt_texts[i] + text
+                token_ids = result.prompt_token_ids + token_ids
+                lps = _prompt_logprobs(result.prompt_logprobs, len(result.prompt_token_ids)) + lps
+            if req.logprobs is not None:
+                logprobs = CompletionLogprobsBuilder(ctx.names).build(token_ids, lps)
+            choices.append(CompletionChoice(index=i * req.n + c.index, text=text, logprobs=logprobs,
+                                            finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+    usage = Usage.of(sum(len(ids) for ids in prompt_ids), completion_tokens, cached)
+    body = CompletionResponse(id=request_id, model=ctx.model_name, choices=choices, usage=usage)
+    return JSONResponse(body.model_dump(mode="json"))
+
+
+async def _collect_all(streams: list[RequestStream], n: int) -> list:
+    try:
+        return list(await asyncio.gather(*(collect(s, n) for s in streams)))
+    finally:
+        abort_all(streams)
+
+
+def _prompt_logprobs(lps: list | None, num_prompt_tokens: int) -> list:
+    lps = list(lps or [])
+    return lps + [None] * (num_prompt_tokens - len(lps))
+
+
+async def _completion_events(ctx: ServerContext, req: CompletionRequest, request_id: str,
+                             streams: list[RequestStream], prompt_texts: list[str]) -> AsyncIterator[str]:
+    created = int(time.time())
+    exclude = None if req.include_usage else {"usage"}
+    builders: dict[int, CompletionLogprobsBuilder] = {}
+    prompt_lps: dict[int, list] = {}
+    completion_tokens = 0
+    cached: dict[int, int] = {}
+    try:
+        async for i, out in merge(streams):
+            cached[i] = out.num_cached_tokens
+            if out.prompt_logprobs is not None:
+                prompt_lps.setdefault(i, out.prompt_logprobs)
+            for d in out.deltas:
+                completion_tokens += len(d.token_ids)
+                index = i * req.n + d.index
+                text, token_ids, lps = d.text, d.token_ids, d.logprobs
+                if index not in builders:  # this choice's first chunk: echo the prompt before it
+                    builders[index] = CompletionLogprobsBuilder(ctx.names)
+                    if req.echo:
+                        prompt = streams[i].prompt_token_ids
+                        text = prompt_texts[i] + text
+                        token_ids = prompt + token_ids
+                        lps = _prompt_logprobs(prompt_lps.get(i), len(prompt)) + lps
+                if not (text or d.finish_reason or (req.logprobs is not None and token_ids)):
+                    continue
+                logprobs = builders[index].build(token_ids, lps) if req.logprobs is not None else None
+                choice = CompletionChoice(index=index, text=text, logprobs=logprobs,
+                                          finish_reason=d.finish_reason, stop_reason=d.stop_reason)
+                yield sse_event(CompletionResponse(id=request_id, created=created, model=ctx.model_name,
+                                                   choices=[choice]), exclude)
+        if req.include_usage:
+            usage = Usage.of(sum(len(s.prompt_token_ids) for s in streams), completion_tokens, sum(cached.values()))
+            yield sse_event(CompletionResponse(id=request_id, created=created, model=ctx.model_name, choices=[],
+                                               usage=usage))
+    except Exception as e:
+        yield sse_error(e)
+    finally:
+        abort_all(streams)
+    yield DONE

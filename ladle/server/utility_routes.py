@@ -1,0 +1,88 @@
+"""Everything besides generation: models, tokenize/detokenize (vLLM's shapes), health, version, stats."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from ladle import __version__
+from ladle.errors import InvalidRequestError
+from ladle.server.chat_prompt import chat_prompt
+from ladle.server.context import ServerContext, get_context
+from ladle.server.errors import APIError
+from ladle.server.openai_routes import parse_body
+from ladle.server.protocol import (
+    DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList, TokenizeRequest, TokenizeResponse,
+)
+
+router = APIRouter()
+
+
+def _card(ctx: ServerContext) -> ModelCard:
+    return ModelCard(id=ctx.model_name, created=ctx.created, root=ctx.model_root,
+                     max_model_len=ctx.engine.max_model_len)
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> JSONResponse:
+    return JSONResponse(ModelList(data=[_card(get_context(request))]).model_dump(mode="json"))
+
+
+@router.get("/v1/models/{model:path}")
+async def retrieve_model(model: str, request: Request) -> JSONResponse:
+    ctx = get_context(request)
+    ctx.check_model(model)
+    return JSONResponse(_card(ctx).model_dump(mode="json"))
+
+
+@router.post("/tokenize")
+async def tokenize(request: Request) -> JSONResponse:
+    ctx = get_context(request)
+    req = await parse_body(request, TokenizeRequest)
+    ctx.check_model(req.model)
+    tok = ctx.engine.tokenizer
+    if req.messages is not None:
+        text = chat_prompt(tok, req.messages, req.add_generation_prompt, req.continue_final_message,
+                           req.chat_template_kwargs)
+        add_special = bool(req.add_special_tokens)  # vLLM: the template already holds them
+    elif req.prompt is not None:
+        text = req.prompt
+        add_special = req.add_special_tokens is not False
+    else:
+        raise InvalidRequestError("give either prompt or messages", param="prompt")
+    ids = tok.encode(text, add_special_tokens=add_special)
+    strs = [tok.id_to_token(i) for i in ids] if req.return_token_strs else None
+    body = TokenizeResponse(count=len(ids), max_model_len=ctx.engine.max_model_len, tokens=ids, token_strs=strs)
+    return JSONResponse(body.model_dump(mode="json"))
+
+
+@router.post("/detokenize")
+async def detokenize(request: Request) -> JSONResponse:
+    ctx = get_context(request)
+    req = await parse_body(request, DetokenizeRequest)
+    ctx.check_model(req.model)
+    vocab = ctx.engine.tokenizer.vocab_size
+    bad = next((i for i, t in enumerate(req.tokens) if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise APIError(400, f"token id {req.tokens[bad]} is out of range [0, {vocab})", param=f"tokens[{bad}]")
+    return JSONResponse(DetokenizeResponse(prompt=ctx.engine.tokenizer.decode(req.tokens)).model_dump(mode="json"))
+
+
+@router.get("/health")
+async def health(request: Request) -> Response:
+    if not get_context(request).engine.is_running:
+        raise APIError(503, "the engine is not running", code="engine_unavailable")
+    return Response(status_code=200)
+
+
+@router.get("/version")
+async def version() -> JSONResponse:
+    return JSONResponse({"version": __version__})
+
+
+@router.get("/v1/engine/stats")
+async def engine_stats(request: Request) -> JSONResponse:
+    """Scheduler and KV pool state after the last step (until GET /metrics exists)."""
+    return JSONResponse(asdict(get_context(request).engine.snapshot()))
