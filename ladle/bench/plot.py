@@ -30,6 +30,9 @@ def plot_sweep(sweep: dict[str, Any], path: str | Path) -> None:
     ax.plot(loads, [s["request_goodput"] for s in steps], "s-", label="goodput")
     if by == "rate":
         ax.plot(loads, loads, ":", color="gray", label="offered")
+    if knee is not None:
+        ax.plot([knee["load"]], [knee["request_goodput"]], "*", color="black", markersize=14, zorder=5)
+    ax.set_ylim(bottom=0)
     ax.set_ylabel("requests/s")
     ax.set_title("Throughput and goodput")
     panels = [(axes[0][1], "ttft", "p99 TTFT"), (axes[1][0], "tpot", "p99 TPOT"), (axes[1][1], "e2el", "p99 E2EL")]
@@ -37,6 +40,7 @@ def plot_sweep(sweep: dict[str, Any], path: str | Path) -> None:
         ax_.plot(loads, [s[f"p99_{metric}_ms"] for s in steps], "o-", color="C3", label=title)
         if metric in slo:
             ax_.axhline(slo[metric], color="C2", linestyle="--", label=f"SLO {slo[metric]:g} ms")
+        ax_.set_ylim(bottom=0)
         ax_.set_ylabel("ms")
         ax_.set_title(title)
     for ax_ in (ax, *(p[0] for p in panels)):

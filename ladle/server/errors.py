@@ -50,7 +50,8 @@ def api_error_of(exc: BaseException) -> APIError:
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, InvalidRequestError):
-        return APIError(400, exc.message, exc.param, exc.code)
+        message = exc.message if not exc.param or exc.param in exc.message else f"{exc.param}: {exc.message}"
+        return APIError(400, message, exc.param, exc.code)
     if isinstance(exc, (ValidationError, RequestValidationError)):
         return validation_error(exc.errors())
     if isinstance(exc, EngineStoppedError):

@@ -1,0 +1,96 @@
+"""A real ladle server for tests: uvicorn in a thread, on a socket bound to a free 127.0.0.1 port.
+
+The socket is bound before uvicorn starts, so there is no race for the port. The engine
+is the default model with a small KV pool; one server serves the whole session.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import httpx
+import pytest
+import uvicorn
+
+from ladle.config import EngineConfig
+from ladle.engine.async_engine import AsyncEngine
+from ladle.engine.engine import LLMEngine
+from ladle.server.app import create_app
+
+MODEL = "SmolLM2-135M-Instruct"
+NUM_KV_BLOCKS = 1024
+
+
+class ServerThread:
+    def __init__(self, app, log_level: str = "warning"):
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, timeout_keep_alive=30))
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    def start(self, timeout: float = 30.0) -> "ServerThread":
+        self.thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("uvicorn did not start")
+            time.sleep(0.02)
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+        self.sock.close()
+
+
+@dataclass
+class Server:
+    url: str  # without /v1
+    engine: AsyncEngine
+    model: str = MODEL
+
+    @property
+    def base_url(self) -> str:
+        return f"{self.url}/v1"
+
+    def stats(self) -> dict:
+        return httpx.get(f"{self.base_url}/engine/stats").json()
+
+    def wait_idle(self, timeout: float = 60.0) -> dict:
+        """Poll until no request is left in the engine and every KV block is free; returns the stats."""
+        deadline = time.monotonic() + timeout
+        while True:
+            s = self.stats()
+            if s["num_unfinished_requests"] == 0 and s["num_free_blocks"] == s["num_blocks"]:
+                return s
+            if time.monotonic() > deadline:
+                raise AssertionError(f"engine not idle after {timeout} s: {s}")
+            time.sleep(0.05)
+
+
+@pytest.fixture(scope="session")
+def async_engine() -> Iterator[AsyncEngine]:
+    engine = AsyncEngine(LLMEngine(EngineConfig(num_kv_blocks=NUM_KV_BLOCKS)))
+    engine.start()
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="session")
+def server(async_engine: AsyncEngine) -> Iterator[Server]:
+    thread = ServerThread(create_app(async_engine, MODEL)).start()
+    yield Server(thread.url, async_engine)
+    thread.stop()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,447 @@
+"""`ladle bench` against a fake OpenAI server with a known delay schedule (no engine, no model)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import pytest
+import uvicorn
+
+from ladle.bench.client import RequestResult, Target
+from ladle.bench.datasets import (SampleRequest, agent_dataset, decisions_dataset, load_sharegpt, prefix_dataset,
+                                  random_dataset, sharegpt_dataset)
+from ladle.bench.metrics import compute_metrics, is_good, parse_goodput, parse_percentiles, tpot
+from ladle.bench.runner import LoadSpec, arrival_times, run_load
+from ladle.bench.sweep import find_knee
+from ladle.cli import main as ladle_main
+
+# ---------------------------------------------------------------- the fake server
+
+
+class FakeOpenAI:
+    """ASGI app: streaming /v1/completions on a fixed schedule, from the moment a request is admitted:
+    the first text chunk after `ttft`, then one every `itl` (absolute deadlines, so jitter does not
+    accumulate). With `capacity`, at most that many requests are served at once and the rest wait in
+    line, so their TTFT grows with load. Also /version, /v1/models, /tokenize (one token a word) and
+    /v1/decisions."""
+
+    def __init__(self, ttft: float = 0.1, itl: float = 0.02, capacity: int | None = None, usage: bool = True,
+                 tokens_per_chunk: int = 1, empty_first_chunk: bool = False, decision_delay: float = 0.03) -> None:
+        self.ttft, self.itl, self.capacity, self.usage = ttft, itl, capacity, usage
+        self.tokens_per_chunk, self.empty_first_chunk, self.decision_delay = tokens_per_chunk, empty_first_chunk, \
+            decision_delay
+        self.bodies: list[tuple[str, dict[str, Any]]] = []
+        self.spans: list[tuple[str, float, float]] = []  # (prompt, admitted, finished)
+        self.in_flight = self.peak_in_flight = 0
+        self._slots: asyncio.Semaphore | None = None
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        raw = b""
+        while True:
+            msg = await receive()
+            raw += msg.get("body", b"")
+            if not msg.get("more_body"):
+                break
+        body = json.loads(raw) if raw else {}
+        path = scope["path"]
+        self.bodies.append((path, body))
+        if path == "/version":
+            await _send_json(send, {"version": "fake-1.0"})
+        elif path == "/v1/models":
+            await _send_json(send, {"object": "list", "data": [{"id": "fake-model", "object": "model"}]})
+        elif path == "/tokenize":
+            words = (body.get("prompt") or body.get("content") or "").split()
+            await _send_json(send, {"count": len(words), "tokens": list(range(len(words)))})
+        elif path == "/v1/decisions":
+            await asyncio.sleep(self.decision_delay)
+            answers = {q["id"]: {"type": q["type"], "probabilities": {}} for q in body["questions"]}
+            tokens = len(body["input"].split()) * len(body["questions"])
+            await _send_json(send, {"object": "decisions", "answers": answers,
+                                    "usage": {"prompt_tokens": tokens, "completion_tokens": 0}})
+        elif path == "/v1/completions":
+            await self._complete(body, send)
+        else:
+            await _send_json(send, {"error": {"message": "not found"}}, status=404)
+
+    async def _complete(self, body: dict[str, Any], send: Any) -> None:
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream")]})
+
+        async def chunk(data: Any) -> None:
+            text = data if isinstance(data, str) else json.dumps(data)
+            await send({"type": "http.response.body", "body": f"data: {text}\n\n".encode(), "more_body": True})
+
+        if self.empty_first_chunk:
+            await chunk({"choices": [{"index": 0, "text": "", "finish_reason": None}]})
+        if self.capacity and self._slots is None:
+            self._slots = asyncio.Semaphore(self.capacity)
+        n = int(body["max_tokens"])
+        async with self._slots or contextlib.nullcontext():
+            loop = asyncio.get_running_loop()
+            admitted = loop.time()
+            self.in_flight += 1
+            self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
+            for k in range(n):
+                await asyncio.sleep(max(0.0, admitted + self.ttft + k * self.itl - loop.time()))
+                await chunk({"choices": [{"index": 0, "text": f" w{k}", "finish_reason": None}]})
+            self.in_flight -= 1
+            self.spans.append((body["prompt"], admitted, loop.time()))
+        if self.usage:
+            await chunk({"choices": [], "usage": {"prompt_tokens": len(body["prompt"].split()),
+                                                  "completion_tokens": n * self.tokens_per_chunk}})
+        await chunk("[DONE]")
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def _send_json(send: Any, data: Any, status: int = 200) -> None:
+    await send({"type": "http.response.start", "status": status, "headers": [(b"content-type", b"application/json")]})
+    await send({"type": "http.response.body", "body": json.dumps(data).encode()})
+
+
+@contextlib.contextmanager
+def serve(app: FakeOpenAI) -> Iterator[str]:
+    """Run `app` with uvicorn in a thread on a free loopback port; yield its base URL."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        assert time.monotonic() < deadline, "fake server did not start"
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        sock.close()
+
+
+def _run(url: str, requests: list[SampleRequest], load: LoadSpec | None = None):
+    return asyncio.run(run_load(Target(base_url=url, model="fake-model"), requests, load or LoadSpec(),
+                                progress=False))
+
+
+def _close(measured: float, expected: float, rel: float = 0.15, abs_ms: float = 3.0) -> bool:
+    return abs(measured - expected) <= rel * expected + abs_ms
+
+
+# ---------------------------------------------------------------- timing semantics
+
+
+def test_timing_matches_the_servers_schedule():
+    app = FakeOpenAI(ttft=0.1, itl=0.02)
+    requests = [SampleRequest(prompt=f"p{i} a b c", prompt_len=1, output_len=11) for i in range(8)]
+    with serve(app) as url:
+        run = _run(url, requests)
+    m = compute_metrics(run.results, run.duration, [50, 90, 99])
+    assert m["completed"] == 8 and m["failed"] == 0
+    # TTFT: 100 ms of server delay, plus loopback and scheduling overhead (never less)
+    assert 99.0 <= m["median_ttft_ms"] and _close(m["median_ttft_ms"], 100.0)
+    assert _close(m["p90_ttft_ms"], 100.0, rel=0.25)
+    # 11 chunks every 20 ms: TPOT = (E2EL - TTFT) / 10 = 20 ms; ITL gaps of 20 ms
+    assert _close(m["mean_tpot_ms"], 20.0) and _close(m["median_tpot_ms"], 20.0)
+    assert _close(m["median_itl_ms"], 20.0)
+    assert _close(m["p90_itl_ms"], 20.0, rel=0.5)
+    assert _close(m["median_e2el_ms"], 300.0)
+    assert m["total_output_tokens"] == 8 * 11 and m["total_input_tokens"] == 8 * 4  # from usage
+    assert all(len(r.itl) == 10 for r in run.results)
+    sent = [b for path, b in app.bodies if path == "/v1/completions"]
+    assert sent[0]["stream"] and sent[0]["stream_options"] == {"include_usage": True}
+
+
+def test_ttft_waits_for_text_and_tpot_counts_usage_tokens():
+    # an empty chunk at once must not count as the first token; 2 tokens per chunk halve TPOT, not ITL
+    app = FakeOpenAI(ttft=0.06, itl=0.02, empty_first_chunk=True, tokens_per_chunk=2)
+    with serve(app) as url:
+        run = _run(url, [SampleRequest(prompt="x", prompt_len=1, output_len=6) for _ in range(4)])
+    m = compute_metrics(run.results, run.duration, [50])
+    assert m["median_ttft_ms"] >= 59.0 and _close(m["median_ttft_ms"], 60.0)
+    assert all(r.output_tokens == 12 for r in run.results)
+    assert _close(m["median_itl_ms"], 20.0)
+    assert _close(m["median_tpot_ms"], 5 * 20.0 / 11)  # 100 ms over 11 tokens after the first
+
+
+def test_output_tokens_fall_back_to_chunks_without_usage():
+    app = FakeOpenAI(ttft=0.01, itl=0.005, usage=False)
+    with serve(app) as url:
+        run = _run(url, [SampleRequest(prompt="a b", prompt_len=7, output_len=5) for _ in range(3)])
+    assert all(r.success and r.output_tokens == 5 and not r.usage_reported for r in run.results)
+    assert all(r.prompt_len == 7 for r in run.results)  # the dataset's estimate stands in
+
+
+def test_max_concurrency_caps_requests_in_flight():
+    app = FakeOpenAI(ttft=0.02, itl=0.005)
+    with serve(app) as url:
+        run = _run(url, [SampleRequest(prompt=f"{i}", prompt_len=1, output_len=4) for i in range(6)],
+                   LoadSpec(max_concurrency=2))
+    assert app.peak_in_flight == 2
+    assert compute_metrics(run.results, run.duration, [99])["max_concurrent_requests"] <= 2
+    assert max(r.queue_time for r in run.results) > 0.03  # the last ones waited for a slot
+
+
+def test_errors_are_results_not_exceptions():
+    app = FakeOpenAI()
+    with serve(app) as url:
+        run = asyncio.run(run_load(Target(base_url=url, model="m", endpoint="/v1/nope"),
+                                   [SampleRequest(prompt="a", prompt_len=1, output_len=2)], LoadSpec(),
+                                   progress=False))
+    r = run.results[0]
+    assert not r.success and "404" in r.error
+    assert compute_metrics(run.results, run.duration, [99])["failed"] == 1
+
+
+# ---------------------------------------------------------------- goodput, percentiles, arrivals
+
+
+def _result(ttft: float, latency: float, tokens: int, success: bool = True) -> RequestResult:
+    return RequestResult(success=success, ttft=ttft, latency=latency, output_tokens=tokens, prompt_len=10,
+                         itl=[(latency - ttft) / max(tokens - 1, 1)] * max(tokens - 1, 0), start_time=0.0)
+
+
+def test_goodput_needs_every_slo():
+    r = _result(ttft=0.1, latency=1.0, tokens=10)  # TPOT 100 ms
+    assert tpot(r) == pytest.approx(0.1)
+    assert is_good(r, {"ttft": 200, "tpot": 150, "e2el": 1000})
+    assert not is_good(r, {"ttft": 200, "tpot": 50})
+    assert not is_good(r, {"ttft": 50})
+    assert not is_good(r, {"e2el": 999})
+    assert not is_good(_result(0.1, 1.0, 10, success=False), {"ttft": 1e9})
+    assert is_good(_result(0.1, 0.1, 1), {"tpot": 1})  # one token: TPOT counts as 0
+    assert parse_goodput(["ttft:500", "tpot:50"]) == {"ttft": 500.0, "tpot": 50.0}
+    assert parse_goodput(["ttft:500,e2el:2000"]) == {"ttft": 500.0, "e2el": 2000.0}
+    for bad in (["itl:5"], ["ttft"], ["ttft:-1"], ["ttft:abc"]):
+        with pytest.raises(ValueError):
+            parse_goodput(bad)
+
+
+def test_metrics_fields_and_goodput_arithmetic():
+    results = [_result(0.1 * (i + 1), 0.1 * (i + 1) + 0.9, 10) for i in range(10)]  # TTFT 100..1000 ms
+    results.append(_result(0, 0, 0, success=False))
+    m = compute_metrics(results, duration=2.0, percentiles=[50, 90, 99, 99.9], slo={"ttft": 500})
+    ttfts = np.arange(1, 11) * 100.0
+    assert m["completed"] == 10 and m["failed"] == 1
+    assert m["request_throughput"] == pytest.approx(5.0)
+    assert m["request_goodput"] == pytest.approx(2.5)  # TTFT <= 500 ms: 5 of 10, over 2 s
+    assert m["request_goodput"] <= m["request_throughput"]
+    assert m["total_output_tokens"] == 100 and m["total_input_tokens"] == 100
+    assert m["output_throughput"] == pytest.approx(50.0) and m["total_token_throughput"] == pytest.approx(100.0)
+    assert m["mean_ttft_ms"] == pytest.approx(ttfts.mean()) and m["median_ttft_ms"] == pytest.approx(550.0)
+    for p in (50, 90, 99, 99.9):
+        key = f"p{p}_ttft_ms"
+        assert m[key] == pytest.approx(np.percentile(ttfts, p))
+    assert m["mean_tpot_ms"] == pytest.approx(100.0) and m["p99_itl_ms"] == pytest.approx(100.0)
+    for metric in ("ttft", "tpot", "itl", "e2el"):
+        assert {f"mean_{metric}_ms", f"median_{metric}_ms", f"std_{metric}_ms", f"p99_{metric}_ms"} <= m.keys()
+    assert compute_metrics(results, 2.0, [99])["request_goodput"] is None  # no SLO, as vLLM
+    assert parse_percentiles("50,90,99") == [50.0, 90.0, 99.0]
+    with pytest.raises(ValueError):
+        parse_percentiles("0,101")
+
+
+def test_arrival_times():
+    rng = np.random.default_rng(0)
+    assert not arrival_times(5, math.inf, 1.0, rng).any()
+    poisson = arrival_times(4000, 10.0, 1.0, np.random.default_rng(1))
+    assert poisson[-1] == pytest.approx(400.0) and np.all(np.diff(poisson) >= 0)
+    cv = lambda t: np.diff(t).std() / np.diff(t).mean()  # noqa: E731 - gamma(shape b) has CV 1/sqrt(b)
+    assert cv(poisson) == pytest.approx(1.0, rel=0.1)
+    assert cv(arrival_times(4000, 10.0, 4.0, np.random.default_rng(1))) == pytest.approx(0.5, rel=0.1)
+    assert cv(arrival_times(4000, 10.0, 0.25, np.random.default_rng(1))) == pytest.approx(2.0, rel=0.15)
+    assert np.allclose(np.diff(arrival_times(5, 2.0, math.inf, rng)), 0.5)
+
+
+# ---------------------------------------------------------------- datasets
+
+
+def test_random_dataset_lengths():
+    rng = np.random.default_rng(0)
+    reqs = random_dataset(rng, 50, input_len=100, output_len=20, range_ratio=0.5, prefix_len=30, tokens_per_word=1.0)
+    prefix = reqs[0].prompt.split()[:30]
+    for r in reqs:
+        words = r.prompt.split()
+        assert words[:30] == prefix
+        assert 30 + 50 <= len(words) == r.prompt_len <= 30 + 150
+        assert 10 <= r.output_len <= 30
+    assert len({r.prompt for r in reqs}) == 50
+    half = random_dataset(np.random.default_rng(0), 1, 100, 20, 0.0, 0, tokens_per_word=2.0)[0]
+    assert len(half.prompt.split()) == 50 and half.prompt_len == 100
+
+
+def test_sharegpt_parsing(tmp_path: Path):
+    long_q, long_a = "What is a paged KV cache? " * 3, "It splits the cache into fixed-size blocks. " * 3
+    data = [
+        {"id": "a", "conversations": [{"from": "human", "value": long_q}, {"from": "gpt", "value": long_a}]},
+        {"id": "one-turn", "conversations": [{"from": "human", "value": long_q}]},
+        {"id": "too-short", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": long_a}]},
+        {"id": "b", "conversations": [{"role": "user", "content": "Explain continuous batching in detail."},
+                                      {"role": "assistant", "content": long_a}, {"from": "human", "value": "x"}]},
+    ]
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps(data))
+    pairs = load_sharegpt(path)
+    assert len(pairs) == 3 and pairs[0] == (long_q, long_a)
+    reqs = sharegpt_dataset(np.random.default_rng(0), 5, pairs)
+    assert len(reqs) == 5  # two usable conversations, oversampled
+    assert {r.prompt for r in reqs} == {long_q, "Explain continuous batching in detail."}
+    assert all(r.output_len == round(len(long_a) / 4) for r in reqs)
+    assert all(r.output_len == 32 for r in sharegpt_dataset(np.random.default_rng(0), 3, pairs, output_len=32))
+
+
+def test_prefix_dataset_shares_the_prefix():
+    reqs = prefix_dataset(np.random.default_rng(0), 20, prefix_len=64, suffix_len=16, num_prefixes=1,
+                          output_len=8, tokens_per_word=1.0)
+    shared = reqs[0].prompt.split("\n\nUser:")[0]
+    assert len(shared.split()) >= 64
+    assert all(r.prompt.startswith(shared + "\n\nUser:") for r in reqs)
+    assert len({r.prompt for r in reqs}) == 20  # tails vary
+    two = prefix_dataset(np.random.default_rng(0), 20, 64, 16, 2, 8, 1.0)
+    assert len({r.prompt.split("\n\nUser:")[0] for r in two}) == 2
+
+
+def test_agent_sessions_grow():
+    reqs = agent_dataset(np.random.default_rng(0), 14, turns=4, system_len=64, burst_len=32, output_len=8,
+                         tokens_per_word=1.0)
+    assert len(reqs) == 14 and [r.session_id for r in reqs[:4]] == [0, 1, 2, 3]  # interleaved by turn
+    system = reqs[0].prompt.split("\n\nUser:")[0]
+    sessions: dict[int, list[SampleRequest]] = {}
+    for r in reqs:
+        assert r.prompt.startswith(system)
+        sessions.setdefault(r.session_id, []).append(r)
+    assert sorted(len(s) for s in sessions.values()) == [3, 3, 4, 4]
+    for turns in sessions.values():
+        for before, after in zip(turns, turns[1:]):
+            assert after.prompt.startswith(before.prompt) and after.prompt_len > before.prompt_len
+            assert "<tool_result>" in after.prompt[len(before.prompt):]
+
+
+def test_decisions_dataset_shape():
+    reqs = decisions_dataset(np.random.default_rng(0), 3, input_len=32, num_questions=3, num_options=5,
+                             tokens_per_word=1.0)
+    for r in reqs:
+        assert r.endpoint == "/v1/decisions" and r.output_len == 0
+        qs = r.body["questions"]
+        assert [q["type"] for q in qs] == ["choice", "yes_no", "score"]
+        assert len({q["id"] for q in qs}) == 3
+        names = [o["name"] for o in qs[0]["options"]]
+        assert len(names) == 5 == len({n.casefold() for n in names})
+        assert 2 <= len(qs[2]["levels"]) <= 10 and r.body["input"].strip()
+
+
+# ---------------------------------------------------------------- the CLI end to end
+
+
+def test_serve_cli_writes_vllm_named_result(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    app = FakeOpenAI(ttft=0.02, itl=0.005)
+    with serve(app) as url:
+        rc = ladle_main(["bench", "serve", "--base-url", url + "/v1", "--num-prompts", "6", "--random-input-len",
+                         "24", "--random-output-len", "5", "--request-rate", "50", "--goodput", "ttft:1000",
+                         "tpot:100", "--percentiles", "50,90,99", "--save-result", "--result-dir", str(tmp_path),
+                         "--disable-tqdm"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "Serving Benchmark Result" in out and "Request goodput (req/s):" in out and "P90 TTFT (ms):" in out
+    [path] = tmp_path.glob("openai-50qps-fake-model-*.json")
+    result = json.loads(path.read_text())
+    for key in ("request_throughput", "request_goodput", "output_throughput", "total_token_throughput", "completed",
+                "total_input_tokens", "total_output_tokens", "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms",
+                "mean_tpot_ms", "p90_tpot_ms", "p99_itl_ms", "p50_e2el_ms", "duration", "request_rate",
+                "burstiness", "max_concurrency", "model_id"):
+        assert key in result, key
+    assert result["completed"] == 6 and result["model_id"] == "fake-model"  # from /v1/models
+    assert result["request_goodput"] == pytest.approx(result["request_throughput"])
+    assert result["total_output_tokens"] == 30
+    prov = result["provenance"]
+    assert prov["target_version"] == {"version": "fake-1.0"} and prov["tool_version"]
+    assert prov["machine"]["cpu_count"] and prov["flags"]["num_prompts"] == 6
+    assert result["tokens_per_word_source"] == "tokenize" and result["tokens_per_word"] == pytest.approx(1.0)
+    sent = [b for p, b in app.bodies if p == "/v1/completions"]
+    assert len(sent) == 7 and all(b["ignore_eos"] and b["max_tokens"] == 5 for b in sent)  # 1 initial test
+    assert all(len(b["prompt"].split()) == 24 for b in sent)
+
+
+def test_agent_turns_are_sent_in_session_order():
+    app = FakeOpenAI(ttft=0.01, itl=0.004)
+    reqs = agent_dataset(np.random.default_rng(0), 9, turns=3, system_len=16, burst_len=8, output_len=4,
+                         tokens_per_word=1.0)
+    with serve(app) as url:
+        run = _run(url, reqs)
+    assert all(r.success for r in run.results)
+    span = {prompt: (start, end) for prompt, start, end in app.spans}
+    for before, after in zip(reqs, reqs[3:]):  # turn k of session s, then turn k+1 of s
+        assert before.session_id == after.session_id
+        assert span[after.prompt][0] >= span[before.prompt][1]
+
+
+def test_decisions_cli(tmp_path: Path):
+    app = FakeOpenAI(decision_delay=0.02)
+    with serve(app) as url:
+        rc = ladle_main(["bench", "serve", "--base-url", url, "--model", "m", "--dataset", "decisions",
+                         "--num-prompts", "4", "--decisions-input-len", "10", "--save-result", "--result-dir",
+                         str(tmp_path), "--result-filename", "d.json", "--disable-tqdm"])
+    assert rc == 0
+    result = json.loads((tmp_path / "d.json").read_text())
+    assert result["completed"] == 4 and result["total_output_tokens"] == 0
+    assert result["total_input_tokens"] == 4 * 30 and result["median_ttft_ms"] >= 19.0
+    decided = [b for p, b in app.bodies if p == "/v1/decisions"]
+    assert decided and all(b["model"] == "m" and len(b["questions"]) == 3 for b in decided)
+
+
+# ---------------------------------------------------------------- sweep and knee
+
+
+def _step(load: float, goodput: float, throughput: float, n: int = 100, e2el_ms: float = 200.0) -> dict[str, Any]:
+    return {"load": load, "request_goodput": goodput, "request_throughput": throughput, "completed": n,
+            "failed": 0, "good_completed": round(goodput / throughput * n) if throughput else 0,
+            "median_e2el_ms": e2el_ms}
+
+
+def test_find_knee():
+    # rate: a 100-request run at 10 req/s with 200 ms E2EL completes at 100 / 10.2 s = 9.8 req/s
+    steps = [_step(1, 0.998, 0.998), _step(10, 9.7, 9.8), _step(20, 15.0, 19.0), _step(40, 4.0, 30.0)]
+    assert find_knee(steps, "rate") == 1
+    assert find_knee([_step(1, 0.5, 1.0)] + steps[1:], "rate") is None
+    assert find_knee(steps[:2], "rate", fraction=0.999) == 0
+    # concurrency: goodput per slot must hold up and most requests be good
+    conc = [_step(1, 5.0, 5.0), _step(2, 9.8, 9.9), _step(4, 19.0, 19.5), _step(8, 20.0, 38.0)]
+    assert find_knee(conc, "concurrency") == 2
+
+
+def test_sweep_writes_json_and_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    import matplotlib.image
+
+    # one request at a time, 10 ms + 7 x 5 ms = 45 ms each: about 22 req/s of capacity
+    app = FakeOpenAI(ttft=0.01, itl=0.005, capacity=1)
+    with serve(app) as url:
+        rc = ladle_main(["bench", "sweep", "--base-url", url, "--model", "fake-model", "--num-prompts", "20",
+                         "--random-input-len", "16", "--random-output-len", "8", "--loads", "8,16,32,64,128",
+                         "--burstiness", "50", "--goodput", "ttft:100", "tpot:50", "--result-dir", str(tmp_path),
+                         "--result-filename", "sweep.json", "--disable-tqdm"])
+    assert rc == 0
+    sweep = json.loads((tmp_path / "sweep.json").read_text())
+    steps = sweep["steps"]
+    assert 2 <= len(steps) <= 5 and [s["load"] for s in steps] == [8, 16, 32, 64, 128][: len(steps)]
+    for s in steps:
+        assert s["request_goodput"] <= s["request_throughput"] + 1e-9
+        assert {"p99_ttft_ms", "p99_tpot_ms", "request_rate", "tracks_offered_load"} <= s.keys()
+    peak = max(s["request_goodput"] for s in steps)
+    assert steps[-1]["request_goodput"] < 0.5 * peak and "peak" in sweep["stop_reason"]
+    assert sweep["knee"] is not None and sweep["knee"]["load"] in (8, 16, 32)
+    assert sweep["knee"]["load"] < steps[-1]["load"]
+    assert sweep["provenance"]["target_version"] == {"version": "fake-1.0"}
+    assert "knee: rate" in capsys.readouterr().out
+    image = matplotlib.image.imread(tmp_path / "sweep.png")
+    assert image.shape[0] >= 400 and image.shape[1] >= 600 and image.shape[2] in (3, 4)
+    assert image.std() > 0.01  # not a blank canvas

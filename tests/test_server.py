@@ -1,0 +1,358 @@
+"""The OpenAI-compatible server, driven by the real `openai` SDK (and raw HTTP where the SDK hides things)."""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+from server_utils import MODEL, Server, ServerThread, async_engine, free_port, server  # noqa: F401
+
+from ladle.server.app import create_app
+
+GREEDY = dict(temperature=0.0)
+HELLO = [{"role": "user", "content": "Say hello in one short sentence."}]
+
+
+@pytest.fixture(scope="module")
+def client(server: Server) -> openai.OpenAI:
+    c = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=120)
+    yield c
+    c.close()
+
+
+def _chat(client: openai.OpenAI, messages=HELLO, **kw):
+    return client.chat.completions.create(model=MODEL, messages=messages, **{"max_tokens": 16, **GREEDY, **kw})
+
+
+# -- the basics ------------------------------------------------------------------
+
+
+def test_models_health_version(server: Server, client: openai.OpenAI) -> None:
+    models = client.models.list().data
+    assert [m.id for m in models] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    assert httpx.get(f"{server.url}/version").json()["version"]
+
+
+def test_chat(server: Server, client: openai.OpenAI) -> None:
+    r = _chat(client)
+    choice = r.choices[0]
+    assert r.object == "chat.completion" and r.model == MODEL and r.id.startswith("chatcmpl-")
+    assert choice.message.role == "assistant" and choice.message.content
+    assert choice.finish_reason in ("stop", "length")
+    tokenized = httpx.post(f"{server.url}/tokenize", json={"model": MODEL, "messages": HELLO}).json()
+    assert r.usage.prompt_tokens == tokenized["count"]
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    assert 0 < r.usage.completion_tokens <= 16
+    assert r.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_chat_content_parts_equal_string_content(client: openai.OpenAI) -> None:
+    parts = [{"role": "user", "content": [{"type": "text", "text": HELLO[0]["content"]}]}]
+    assert _chat(client, parts).choices[0].message.content == _chat(client).choices[0].message.content
+
+
+def test_streaming_chat_equals_non_streamed(client: openai.OpenAI) -> None:
+    full = _chat(client, max_completion_tokens=16, max_tokens=None)
+    chunks = list(_chat(client, max_completion_tokens=16, max_tokens=None, stream=True,
+                        stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert len({c.id for c in chunks}) == 1 and len({c.created for c in chunks}) == 1
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == [full.choices[0].finish_reason]
+    usage_chunk = chunks[-1]
+    assert usage_chunk.choices == [] and usage_chunk.usage is not None
+    assert usage_chunk.usage.model_dump() == full.usage.model_dump()
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_stream_without_include_usage_has_no_usage_chunk(client: openai.OpenAI) -> None:
+    chunks = list(_chat(client, max_tokens=4, stream=True))
+    assert all(c.choices for c in chunks) and all(c.usage is None for c in chunks)
+
+
+def test_chat_logprobs(client: openai.OpenAI) -> None:
+    r = _chat(client, max_tokens=8, logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    assert "".join(t.token for t in content) == r.choices[0].message.content
+    for t in content:
+        assert len(t.top_logprobs) == 3
+        assert [x.logprob for x in t.top_logprobs] == sorted((x.logprob for x in t.top_logprobs), reverse=True)
+        assert t.top_logprobs[0].token == t.token and t.logprob == pytest.approx(t.top_logprobs[0].logprob)
+        assert bytes(t.bytes).decode("utf-8") == t.token and t.logprob <= 0
+    streamed = [lp for c in _chat(client, max_tokens=8, logprobs=True, top_logprobs=3, stream=True)
+                if c.choices and c.choices[0].logprobs for lp in c.choices[0].logprobs.content]
+    assert [t.token for t in streamed] == [t.token for t in content]
+
+
+def test_stop_string_and_length(client: openai.OpenAI) -> None:
+    text = _chat(client).choices[0].message.content
+    stop = text.split()[1]  # a word the greedy answer will produce
+    r = _chat(client, stop=[stop])
+    assert r.choices[0].finish_reason == "stop" and stop not in r.choices[0].message.content
+    assert r.choices[0].message.content == text[: text.index(stop)]
+    r = _chat(client, max_tokens=3, extra_body={"ignore_eos": True})
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 3
+
+
+def test_n_and_seed(client: openai.OpenAI) -> None:
+    kw = dict(n=3, seed=1234, temperature=1.0, max_tokens=8, top_p=0.95, presence_penalty=0.5,
+              frequency_penalty=0.5, user="tests", extra_body={"top_k": 50, "min_p": 0.01, "repetition_penalty": 1.1})
+    a, b = _chat(client, **kw), _chat(client, **kw)
+    assert [c.index for c in a.choices] == [0, 1, 2]
+    assert [c.message.content for c in a.choices] == [c.message.content for c in b.choices]
+    assert 3 <= a.usage.completion_tokens <= 3 * 8
+    streamed = {}
+    for chunk in _chat(client, stream=True, **kw):
+        for c in chunk.choices:
+            streamed[c.index] = streamed.get(c.index, "") + (c.delta.content or "")
+    assert [streamed[i] for i in range(3)] == [c.message.content for c in a.choices]
+
+
+def test_completions_with_logprobs_and_echo(client: openai.OpenAI) -> None:
+    prompt = "The capital of France is"
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, logprobs=2, **GREEDY)
+    lp = r.choices[0].logprobs
+    assert r.object == "text_completion" and len(lp.tokens) == r.usage.completion_tokens
+    assert "".join(lp.tokens) == r.choices[0].text
+    assert all(v <= 0 for v in lp.token_logprobs) and all(len(t) >= 1 for t in lp.top_logprobs)
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+
+    e = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, logprobs=2, echo=True, **GREEDY)
+    elp = e.choices[0].logprobs
+    assert e.choices[0].text == prompt + r.choices[0].text
+    assert len(elp.tokens) == e.usage.prompt_tokens + e.usage.completion_tokens
+    assert elp.token_logprobs[0] is None and elp.top_logprobs[0] is None
+    assert all(v is not None for v in elp.token_logprobs[1:])
+    assert elp.tokens[e.usage.prompt_tokens:] == lp.tokens
+    assert elp.token_logprobs[e.usage.prompt_tokens:] == pytest.approx(lp.token_logprobs, abs=1e-4)
+
+
+def test_completions_token_ids_batch_and_stream(server: Server, client: openai.OpenAI) -> None:
+    prompts = ["The capital of France is", "One, two, three,"]
+    ids = [httpx.post(f"{server.url}/tokenize", json={"prompt": p}).json()["tokens"] for p in prompts]
+    by_text = client.completions.create(model=MODEL, prompt=prompts, max_tokens=6, **GREEDY)
+    by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=6, **GREEDY)
+    assert [c.text for c in by_text.choices] == [c.text for c in by_ids.choices]
+    assert [c.index for c in by_text.choices] == [0, 1]
+    assert by_text.usage.prompt_tokens == sum(map(len, ids))
+    texts = {0: "", 1: ""}
+    chunks = list(client.completions.create(model=MODEL, prompt=prompts, max_tokens=6, stream=True,
+                                            stream_options={"include_usage": True}, **GREEDY))
+    for chunk in chunks[:-1]:
+        for c in chunk.choices:
+            texts[c.index] += c.text
+    assert [texts[0], texts[1]] == [c.text for c in by_text.choices]
+    assert chunks[-1].choices == [] and chunks[-1].usage.model_dump() == by_text.usage.model_dump()
+
+
+def test_tokenize_detokenize(server: Server) -> None:
+    r = httpx.post(f"{server.url}/tokenize", json={"model": MODEL, "prompt": "Hello world", "return_token_strs": True})
+    body = r.json()
+    assert r.status_code == 200 and body["count"] == len(body["tokens"]) == len(body["token_strs"])
+    assert body["max_model_len"] > 0
+    back = httpx.post(f"{server.url}/detokenize", json={"model": MODEL, "tokens": body["tokens"]}).json()
+    assert back == {"prompt": "Hello world"}
+
+
+# -- errors ----------------------------------------------------------------------
+
+
+def test_bad_requests_raise_typed_errors(client: openai.OpenAI) -> None:
+    cases = [
+        (dict(temperature=-1.0), "temperature"),
+        (dict(top_logprobs=50, logprobs=True), "top_logprobs"),
+        (dict(n=0), "n"),
+        (dict(extra_body={"top_k": "many"}), "top_k"),
+        (dict(messages=[{"role": "wizard", "content": "hi"}]), "messages[0].role"),
+        (dict(messages=[]), "messages"),
+        (dict(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
+         "messages[0].content[0].type"),
+        (dict(max_tokens=None, max_completion_tokens=10**6), "max_completion_tokens"),
+        (dict(extra_body={"stop_token_ids": [10**9]}), "stop_token_ids"),
+    ]
+    for kw, param in cases:
+        with pytest.raises(openai.BadRequestError) as err:
+            _chat(client, **kw)
+        assert err.value.status_code == 400
+        assert err.value.body["param"] == param, (kw, err.value.body)
+        assert param in err.value.body["message"]
+
+
+def test_prompt_over_the_context_says_by_how_much(server: Server, client: openai.OpenAI) -> None:
+    limit = server.engine.max_model_len
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=MODEL, prompt=[1] * (limit + 5), max_tokens=1)
+    assert err.value.body["code"] == "context_length_exceeded" and err.value.body["param"] == "prompt"
+    assert f"{limit}" in err.value.message and "6 over" in err.value.message
+
+
+def test_unknown_model_and_route_are_not_found(server: Server, client: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError) as err:
+        client.chat.completions.create(model="gpt-4o", messages=HELLO, max_tokens=1)
+    assert "gpt-4o" in err.value.message and err.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.NotFoundError) as err:
+        client.post("/no/such/route", cast_to=object, body={})
+    assert "Invalid URL" in err.value.message
+    r = httpx.get(f"{server.base_url}/completions")
+    assert r.status_code == 405 and r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_malformed_bodies_are_400_never_422_or_500(server: Server) -> None:
+    url = f"{server.base_url}/chat/completions"
+    for body in [b"{not json", b"[1, 2]", b"", b'{"messages": "hi"}', b'{"messages": [{"content": "x"}]}',
+                 b'{"messages": [{"role": "user", "content": "x"}], "temperature": NaN}',
+                 b'{"messages": [{"role": "user", "content": "x"}], "seed": 1e400}']:
+        r = httpx.post(url, content=body, headers={"content-type": "application/json"})
+        assert r.status_code == 400, (body, r.text)
+        assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+    for prompt in [[], [1, -5], [[1], "a"], [True], [1, 10**30]]:
+        r = httpx.post(f"{server.base_url}/completions", json={"prompt": prompt, "max_tokens": 1})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", (prompt, r.text)
+    r = httpx.post(f"{server.url}/detokenize", json={"tokens": [-1]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tokens[0]"
+
+
+def test_oversize_body_is_413(server: Server) -> None:
+    big = json.dumps({"model": MODEL, "prompt": "a" * (17 * 2**20)}).encode()
+    r = httpx.post(f"{server.base_url}/completions", content=big, headers={"content-type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+    def chunked():  # no Content-Length: counted as it arrives
+        for i in range(0, len(big), 2**20):
+            yield big[i : i + 2**20]
+
+    r = httpx.post(f"{server.base_url}/completions", content=chunked())
+    assert r.status_code == 413
+
+
+def test_api_key(async_engine) -> None:  # noqa: F811
+    thread = ServerThread(create_app(async_engine, MODEL, api_key="sekrit")).start()
+    try:
+        base = f"{thread.url}/v1"
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=base, api_key="wrong", max_retries=0).models.list()
+        assert httpx.get(f"{base}/models").status_code == 401
+        good = openai.OpenAI(base_url=base, api_key="sekrit", max_retries=0)
+        assert good.models.list().data[0].id == MODEL
+        assert httpx.get(f"{thread.url}/health").status_code == 200  # not under /v1
+    finally:
+        thread.stop()
+
+
+# -- concurrency, keep-alive, disconnects ----------------------------------------
+
+PROMPTS = ["Name a color.", "What is 2+2?", "Say something about cats.", "Describe the sea.",
+           "Give me a fruit.", "What is Python?", "Tell me about the moon.", "Count to five."]
+
+
+def test_32_concurrent_streams_match_solo_greedy(server: Server, client: openai.OpenAI) -> None:
+    kw = dict(max_tokens=16, temperature=0.0)
+    solo = {p: _chat(client, [{"role": "user", "content": p}], **kw).choices[0].message.content for p in PROMPTS}
+    jobs = [PROMPTS[i % len(PROMPTS)] for i in range(32)]
+    steps_before = server.stats()["steps"]
+
+    async def stream_one(aclient: openai.AsyncOpenAI, prompt: str) -> str:
+        text = ""
+        stream = await aclient.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}],
+                                                       stream=True, **kw)
+        async for chunk in stream:
+            if chunk.choices:
+                text += chunk.choices[0].delta.content or ""
+        return text
+
+    async def run_all() -> list[str]:
+        async with openai.AsyncOpenAI(base_url=server.base_url, api_key="x", max_retries=0, timeout=300) as ac:
+            return await asyncio.gather(*(stream_one(ac, p) for p in jobs))
+
+    outputs = asyncio.run(run_all())
+    assert outputs == [solo[p] for p in jobs]
+    stats = server.wait_idle()
+    assert stats["steps"] - steps_before < 32 * 16 / 4  # the streams shared steps
+
+
+def test_keep_alive_across_streamed_and_plain_requests(server: Server) -> None:
+    conn = http.client.HTTPConnection("127.0.0.1", int(server.url.rsplit(":", 1)[1]), timeout=60)
+    body = json.dumps({"model": MODEL, "messages": HELLO, "max_tokens": 4, "stream": True})
+    conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200 and resp.getheader("content-type").startswith("text/event-stream")
+    events = resp.read().decode()
+    assert events.rstrip().endswith("data: [DONE]") and not resp.will_close
+    sock = conn.sock
+    for path in ("/health", "/v1/models"):
+        conn.request("GET", path)
+        resp = conn.getresponse()
+        resp.read()
+        assert resp.status == 200 and conn.sock is sock  # same TCP connection
+    conn.close()
+
+
+def test_client_closing_a_stream_frees_its_blocks(server: Server, client: openai.OpenAI) -> None:
+    server.wait_idle()
+    before = server.stats()["generation_tokens"]
+    stream = _chat(client, max_tokens=2000, stream=True, extra_body={"ignore_eos": True})
+    for i, _chunk in enumerate(stream):
+        if i == 3:
+            break
+    assert server.stats()["num_unfinished_requests"] == 1
+    stream.close()
+    stats = server.wait_idle(timeout=30)
+    assert stats["generation_tokens"] - before < 200  # aborted, not run to the end
+
+
+def test_client_timing_out_on_a_plain_request_frees_its_blocks(server: Server) -> None:
+    server.wait_idle()
+    before = server.stats()["generation_tokens"]
+    body = {"model": MODEL, "messages": HELLO, "max_tokens": 2000, "ignore_eos": True}
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(f"{server.base_url}/chat/completions", json=body, timeout=httpx.Timeout(5, read=1.0))
+    stats = server.wait_idle(timeout=30)
+    assert stats["generation_tokens"] - before < 200
+
+
+# -- the real command ------------------------------------------------------------
+
+
+def test_ladle_serve_subprocess() -> None:
+    port = free_port()
+    cmd = [sys.executable, "-m", "ladle.cli", "serve", "--port", str(port), "--num-kv-blocks", "256",
+           "--uvicorn-log-level", "warning", "--served-model-name", "tiny"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=os.environ.copy())
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert proc.poll() is None, proc.stdout.read()
+            assert time.monotonic() < deadline, "ladle serve did not come up"
+            time.sleep(0.25)
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+        assert c.models.list().data[0].id == "tiny"
+        r = c.chat.completions.create(model="tiny", messages=HELLO, max_tokens=3, temperature=0)
+        assert r.usage.completion_tokens <= 3
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            out, _ = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, _ = proc.communicate()
+    assert proc.returncode == 0, out
+    assert f"http://127.0.0.1:{port}/v1" in out
