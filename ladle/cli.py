@@ -12,7 +12,6 @@ import sys
 # name -> (module, help). Each module provides add_arguments(parser) and run(args) -> int.
 SUBCOMMANDS = {
     "serve": ("ladle.server.cli", "serve a model over the OpenAI API"),
-    "chat": ("ladle.chat_cli", "chat with a model in the terminal"),
     "bench": ("ladle.bench.cli", "load-test any OpenAI-compatible server"),
 }
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
 
 SCHEDULING_POLICIES = ("fcfs", "priority", "lpm")
@@ -19,6 +20,8 @@ class EngineConfig:
     kv_cache_memory_gib: float = 4.0
     num_kv_blocks: int | None = None  # overrides kv_cache_memory_gib (tests force tiny pools)
     scheduling_policy: str = "fcfs"
+    enable_prefix_caching: bool = True
+    max_waiting_requests: int | None = None  # admission bound; past it the server answers 429
     num_threads: int | None = None  # torch intra-op threads; None: torch's default
     seed: int = 0  # for requests without their own seed
 
@@ -43,7 +46,13 @@ def add_engine_arguments(parser) -> None:
     g.add_argument("--kv-cache-memory-gib", type=float, default=EngineConfig.kv_cache_memory_gib,
                    help="memory preallocated for the paged KV cache")
     g.add_argument("--num-kv-blocks", type=int, default=None, help="exact KV pool size in blocks (overrides memory)")
-    g.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default="fcfs")
+    g.add_argument("--scheduling-policy", "--schedule-policy", choices=SCHEDULING_POLICIES, default="fcfs",
+                   help="fcfs, priority (request field `priority`, lower runs sooner) or lpm (longest cached prefix first)")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    g.add_argument("--no-prefix-cache", dest="enable_prefix_caching", action="store_false",
+                   help="same as --no-enable-prefix-caching")
+    g.add_argument("--max-waiting-requests", type=int, default=None,
+                   help="queue bound: past it new requests get 429 with Retry-After")
     g.add_argument("--num-threads", type=int, default=None, help="torch threads (default: torch's choice)")
     g.add_argument("--seed", type=int, default=0)
 
@@ -54,5 +63,6 @@ def engine_config_from_args(args) -> EngineConfig:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         long_prefill_token_threshold=args.long_prefill_token_threshold, block_size=args.block_size,
         kv_cache_memory_gib=args.kv_cache_memory_gib, num_kv_blocks=args.num_kv_blocks,
-        scheduling_policy=args.scheduling_policy, num_threads=args.num_threads, seed=args.seed,
+        scheduling_policy=args.scheduling_policy, enable_prefix_caching=args.enable_prefix_caching,
+        max_waiting_requests=args.max_waiting_requests, num_threads=args.num_threads, seed=args.seed,
     )

@@ -331,7 +331,8 @@ def test_ladle_serve_subprocess() -> None:
     port = free_port()
     cmd = [sys.executable, "-m", "ladle.cli", "serve", "--port", str(port), "--num-kv-blocks", "256",
            "--uvicorn-log-level", "warning", "--served-model-name", "tiny"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=os.environ.copy())
+    env = {k: v for k, v in os.environ.items() if k != "LADLE_API_KEY"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
         deadline = time.monotonic() + 120
         while True:

@@ -189,6 +189,7 @@ def _header(args: argparse.Namespace, info: TargetInfo, extra: dict[str, Any]) -
         "endpoint": args.endpoint,
         "dataset": args.dataset,
         "num_prompts": args.num_prompts,
+        "ignore_eos": info.target.ignore_eos,
         **extra,
         "tokens_per_word": info.tokens_per_word,
         "tokens_per_word_source": info.tokens_per_word_source,

@@ -104,7 +104,18 @@ def result_path(result_dir: str | None, filename: str | None, default_name: str)
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:
-    path.write_text(json.dumps(data, indent=2, default=_json_default) + "\n", encoding="utf-8")
+    path.write_text(json.dumps(_finite(data), indent=2, default=_json_default) + "\n", encoding="utf-8")
+
+
+def _finite(value: Any) -> Any:
+    """inf and nan as strings ("inf", as vLLM writes an infinite rate): strict JSON has no such numbers."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
 
 
 def _json_default(value: Any) -> Any:

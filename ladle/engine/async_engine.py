@@ -181,7 +181,11 @@ class AsyncEngine:
 
     async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                        priority: int = 0) -> AsyncIterator[StepOutput]:
-        """Outputs of one request; leaving the loop early (or being cancelled) aborts it."""
+        """Outputs of one request; leaving the loop early (or being cancelled) aborts it.
+
+        After a `break` the abort runs when the generator is closed: wrap it in
+        `contextlib.aclosing` to close it at once rather than when it is collected.
+        """
         stream = await self.add_request(request_id, prompt, params, priority)
         try:
             async for out in stream:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -55,7 +55,7 @@ class LLMEngine:
         if model_len > pool_tokens:
             log.warning("max_model_len %d exceeds the KV pool (%d tokens); capping it", model_len, pool_tokens)
         self.max_model_len = min(model_len, pool_tokens, self.model_config.max_position_embeddings)
-        self.kv = KVCacheManager(num_blocks, config.block_size)
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv)
         self.runner = ModelRunner(self.model_config, load_weights(folder), num_blocks, config.block_size)
         self.sampler = Sampler(config.seed)
@@ -81,10 +81,11 @@ class LLMEngine:
         self._check_prompt(ids, params)
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(ids)
         if max_tokens != params.max_tokens:
-            params = _with(params, max_tokens=max_tokens)
+            params = replace(params, max_tokens=max_tokens)
         arrival = time.time() if arrival_time is None else arrival_time
         seqs = [self._new_sequence(request_id, i, ids, params, priority, arrival) for i in range(params.n)]
         self.requests[request_id] = seqs
+        self.stats.prompt_tokens += len(ids) * params.n
         for seq in seqs:
             self.scheduler.add(seq)
         return ids
@@ -135,11 +136,8 @@ class LLMEngine:
         now = time.time()
         logits = self.runner.execute(plan.scheduled)
         for item in plan.scheduled:
-            seq = item.seq
-            seq.first_scheduled_time = seq.first_scheduled_time or now
-            seq.num_computed_tokens += item.num_new_tokens
-            if seq.num_computed_tokens <= seq.num_prompt_tokens and seq.num_preemptions == 0:
-                self.stats.prompt_tokens += item.num_new_tokens
+            item.seq.first_scheduled_time = item.seq.first_scheduled_time or now
+        self.scheduler.update_after_step(plan)
         for seq, first, rows in logits.prompt_rows:
             self._record_prompt_logprobs(seq, first, rows)
         sampled = self.sampler(logits.sample_logits, logits.sample_seqs) if logits.sample_seqs else []
@@ -198,9 +196,3 @@ class LLMEngine:
                           finished=finished, num_cached_tokens=first.num_cached_tokens,
                           prompt_logprobs=first.prompt_logprobs if first_output and first.params.prompt_logprobs is not None else None,
                           arrival_time=first.arrival_time)
-
-
-def _with(params: SamplingParams, **changes) -> SamplingParams:
-    from dataclasses import replace
-
-    return replace(params, **changes)

@@ -1,13 +1,28 @@
-"""Block pool and per-sequence block tables. The scheduler decides; this keeps count.
+"""Block pool, per-sequence block tables and the prefix cache. The scheduler decides;
+this keeps count. The runner owns the tensors; this module only hands out block ids.
 
-The runner owns the tensors; this module only hands out block ids.
+Block states: free (on the free list), held (referenced by running sequences), or
+cached (in the radix tree with no reference: reusable by a later prompt, and evicted
+least recently used first when the pool needs room).
+
+Invariant: a sequence holds a path from the tree's root, so every ancestor of a held
+block is held too, and every cached block can eventually be evicted.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
 
+from ladle.engine.prefix_cache import RadixCache
 from ladle.engine.request import Sequence
+
+
+@dataclass
+class PrefixCacheStats:
+    queries: int = 0  # prompt tokens looked up
+    hits: int = 0  # of those, found cached
+    evictions: int = 0  # blocks evicted
 
 
 class BlockPool:
@@ -18,32 +33,30 @@ class BlockPool:
         self.free_ids: deque[int] = deque(range(num_blocks))
         self.ref_counts = [0] * num_blocks
 
-    @property
-    def num_free(self) -> int:
-        return len(self.free_ids)
+    def take_free(self) -> int:
+        block_id = self.free_ids.popleft()
+        self.ref_counts[block_id] = 1
+        return block_id
 
-    def allocate(self, n: int) -> list[int]:
-        if n > len(self.free_ids):
-            raise RuntimeError(f"asked for {n} blocks with {len(self.free_ids)} free")
-        ids = [self.free_ids.popleft() for _ in range(n)]
-        for b in ids:
-            self.ref_counts[b] = 1
-        return ids
+    def ref(self, block_id: int) -> bool:
+        """Add a reference; True when the block was unreferenced before."""
+        self.ref_counts[block_id] += 1
+        return self.ref_counts[block_id] == 1
 
-    def release(self, block_id: int) -> bool:
-        """Drop one reference; True when the block became unreferenced."""
+    def unref(self, block_id: int) -> bool:
+        """Drop a reference; True when the block is now unreferenced."""
         self.ref_counts[block_id] -= 1
         assert self.ref_counts[block_id] >= 0, f"block {block_id} released twice"
-        if self.ref_counts[block_id] == 0:
-            self.free_ids.append(block_id)
-            return True
-        return False
+        return self.ref_counts[block_id] == 0
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
+        self.cache = RadixCache(block_size) if enable_prefix_caching else None
+        self.num_cached_unreferenced = 0
+        self.stats = PrefixCacheStats()
 
     @property
     def num_blocks(self) -> int:
@@ -51,28 +64,107 @@ class KVCacheManager:
 
     @property
     def num_free_blocks(self) -> int:
-        return self.pool.num_free
+        """Blocks a sequence can get now: free ones plus cached ones that may be evicted."""
+        return len(self.pool.free_ids) + self.num_cached_unreferenced
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self.cache) if self.cache else 0
 
     @property
     def usage(self) -> float:
         """Fraction of blocks held by sequences (vLLM's kv_cache_usage_perc, as a fraction)."""
-        return 1.0 - self.pool.num_free / self.pool.num_blocks
+        return 1.0 - self.num_free_blocks / self.pool.num_blocks
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
+
+    # -- prefix cache ---------------------------------------------------------
+
+    def cached_prefix_len(self, seq: Sequence) -> int:
+        """Tokens of seq a lookup would find now (read-only; for longest-prefix-match)."""
+        if self.cache is None:
+            return 0
+        return len(self.cache.match(seq.token_ids, self._max_match_blocks(seq))) * self.block_size
+
+    def _max_match_blocks(self, seq: Sequence) -> int:
+        # At least the last token is always computed, so the step has logits to sample from.
+        return (seq.num_tokens - 1) // self.block_size
+
+    def match_prefix(self, seq: Sequence) -> int:
+        """Start a fresh sequence on its longest cached prefix; returns the tokens skipped."""
+        assert not seq.block_table and seq.num_computed_tokens == 0
+        if self.cache is None:
+            return 0
+        path = self.cache.match(seq.token_ids, self._max_match_blocks(seq))
+        for node in path:
+            self._ref(node.block_id)
+        seq.block_table = [node.block_id for node in path]
+        seq.num_cached_blocks = len(path)
+        seq.num_computed_tokens = len(path) * self.block_size
+        return seq.num_computed_tokens
+
+    def record_lookup(self, seq: Sequence, hit_tokens: int) -> None:
+        self.stats.queries += seq.num_tokens
+        self.stats.hits += hit_tokens
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Enter seq's newly completed blocks into the tree (after a step computed them)."""
+        if self.cache is None:
+            return
+        full = seq.num_computed_tokens // self.block_size
+        bs = self.block_size
+        for k in range(seq.num_cached_blocks, full):
+            parent = self.cache.by_block[seq.block_table[k - 1]] if k else None
+            key = tuple(seq.token_ids[k * bs : (k + 1) * bs])
+            node = self.cache.insert(parent, key, seq.block_table[k])
+            if node.block_id != seq.block_table[k]:
+                # Someone cached the same tokens first: share theirs, return ours.
+                self._ref(node.block_id)
+                self._unref(seq.block_table[k])
+                seq.block_table[k] = node.block_id
+        seq.num_cached_blocks = max(seq.num_cached_blocks, full)
+
+    # -- allocation -----------------------------------------------------------
 
     def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Grow seq's block table to hold its computed tokens plus num_new_tokens."""
         needed = self.blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
         if needed <= 0:
             return True
-        if needed > self.pool.num_free:
+        if needed > self.num_free_blocks:
             return False
-        seq.block_table.extend(self.pool.allocate(needed))
+        for _ in range(needed):
+            if not self.pool.free_ids:
+                self._evict_one()
+            seq.block_table.append(self.pool.take_free())
         return True
 
     def free(self, seq: Sequence) -> None:
-        # Release tail first so the free list hands out a sequence's blocks in order again.
+        # Tail first: leaves become evictable before their parents, and the free list
+        # hands a sequence's blocks out in order again.
         for b in reversed(seq.block_table):
-            self.pool.release(b)
+            self._unref(b)
         seq.block_table = []
+        seq.num_cached_blocks = 0
+
+    def _ref(self, block_id: int) -> None:
+        if self.pool.ref(block_id) and self.cache is not None and self.cache.contains_block(block_id):
+            self.cache.mark_referenced(block_id)
+            self.num_cached_unreferenced -= 1
+
+    def _unref(self, block_id: int) -> None:
+        if not self.pool.unref(block_id):
+            return
+        if self.cache is not None and self.cache.contains_block(block_id):
+            self.cache.mark_unreferenced(block_id)
+            self.num_cached_unreferenced += 1
+        else:
+            self.pool.free_ids.append(block_id)
+
+    def _evict_one(self) -> None:
+        block_id = self.cache.evict_lru(lambda b: self.pool.ref_counts[b] == 0) if self.cache else None
+        assert block_id is not None, "no block to evict although the count said there was"
+        self.num_cached_unreferenced -= 1
+        self.stats.evictions += 1
+        self.pool.free_ids.append(block_id)

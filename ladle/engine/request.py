@@ -50,6 +50,7 @@ class Sequence:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache on first admission
     block_table: list[int] = field(default_factory=list)
+    num_cached_blocks: int = 0  # leading blocks of block_table entered in the prefix cache
     generator: "torch.Generator | None" = None
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None

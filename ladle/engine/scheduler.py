@@ -3,7 +3,7 @@
 Decodes go first, then unfinished prefills, then newly admitted requests, all under
 one token budget. When the block pool runs dry the scheduler preempts (the most
 recently admitted, or under the priority policy the least urgent) and recomputes
-the victim later.
+the victim later. A new sequence starts from its longest cached prefix.
 """
 
 from __future__ import annotations
@@ -34,6 +34,17 @@ class SchedulerOutput:
         return bool(self.scheduled)
 
 
+@dataclass
+class _StepPlan:
+    budget: int
+    planned: dict[int, ScheduledSeq] = field(default_factory=dict)
+    out: SchedulerOutput = field(default_factory=SchedulerOutput)
+
+    def add(self, seq: Sequence, n: int) -> None:
+        self.planned[seq.seq_id] = ScheduledSeq(seq, n)
+        self.budget -= n
+
+
 class Scheduler:
     def __init__(self, config: EngineConfig, kv: KVCacheManager):
         self.config = config
@@ -50,44 +61,71 @@ class Scheduler:
         self.waiting.append(seq)
 
     def _urgency(self, seq: Sequence) -> tuple:
+        """Smaller runs sooner."""
         if self.config.scheduling_policy == "priority":
             return (seq.priority, seq.arrival_time, seq.seq_id)
         return (seq.arrival_time, seq.seq_id)
 
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
-        budget = self.config.max_num_batched_tokens
-        planned: dict[int, ScheduledSeq] = {}
+        plan = _StepPlan(budget=self.config.max_num_batched_tokens)
         # Decodes first, then chunks of prompts already under way.
         for seq in sorted(self.running, key=lambda s: self._remaining(s) != 1):
-            if seq.status is not SeqStatus.RUNNING or budget == 0:
+            if seq.status is not SeqStatus.RUNNING or plan.budget == 0:
                 continue
-            n = self._chunk(seq, budget)
+            n = self._chunk(seq, plan.budget)
             while not self.kv.allocate_slots(seq, n):
-                victim = self._pick_victim()
-                budget += self._preempt(victim, planned, out)
+                victim = max(self.running, key=self._urgency)
+                self._preempt(victim, plan)
                 if victim is seq:
                     break
             else:
-                planned[seq.seq_id] = ScheduledSeq(seq, n)
-                budget -= n
-        if not out.preempted:
-            self._admit(budget, planned)
-        out.scheduled = list(planned.values())
-        return out
+                plan.add(seq, n)
+        if not plan.out.preempted:
+            self._admit(plan)
+        plan.out.scheduled = list(plan.planned.values())
+        return plan.out
 
-    def _admit(self, budget: int, planned: dict[int, ScheduledSeq]) -> None:
-        self.waiting.sort(key=self._urgency)
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+    def _admit(self, plan: _StepPlan) -> None:
+        self._order_waiting()
+        while self.waiting and plan.budget > 0:
             seq = self.waiting[0]
-            n = self._chunk(seq, budget)
-            if not self.kv.allocate_slots(seq, n):
+            if len(self.running) >= self.config.max_num_seqs:
+                if self._preempt_for(seq, plan):
+                    continue
                 break
+            hit = self.kv.match_prefix(seq)
+            n = self._chunk(seq, plan.budget)
+            if not self.kv.allocate_slots(seq, n):
+                self.kv.free(seq)
+                seq.num_computed_tokens = 0
+                if self._preempt_for(seq, plan):
+                    continue
+                break
+            if seq.num_preemptions == 0:
+                self.kv.record_lookup(seq, hit)
+                seq.num_cached_tokens = hit
             self.waiting.pop(0)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
-            planned[seq.seq_id] = ScheduledSeq(seq, n)
-            budget -= n
+            plan.add(seq, n)
+
+    def _order_waiting(self) -> None:
+        if self.config.scheduling_policy == "lpm":
+            # Longest cached prefix first; ties in arrival order.
+            lengths = {s.seq_id: self.kv.cached_prefix_len(s) for s in self.waiting}
+            self.waiting.sort(key=lambda s: (-lengths[s.seq_id], s.arrival_time, s.seq_id))
+        else:
+            self.waiting.sort(key=self._urgency)
+
+    def _preempt_for(self, seq: Sequence, plan: _StepPlan) -> bool:
+        """Priority policy: make room for seq by preempting a less urgent running sequence."""
+        if self.config.scheduling_policy != "priority" or not self.running:
+            return False
+        victim = max(self.running, key=self._urgency)
+        if self._urgency(victim) <= self._urgency(seq):
+            return False
+        self._preempt(victim, plan)
+        return True
 
     def _remaining(self, seq: Sequence) -> int:
         return seq.num_tokens - seq.num_computed_tokens
@@ -98,11 +136,8 @@ class Scheduler:
             n = min(n, self.config.long_prefill_token_threshold)
         return min(n, budget)
 
-    def _pick_victim(self) -> Sequence:
-        return max(self.running, key=self._urgency)
-
-    def _preempt(self, victim: Sequence, planned: dict[int, ScheduledSeq], out: SchedulerOutput) -> int:
-        """Free the victim's blocks and queue it for recompute; returns budget handed back."""
+    def _preempt(self, victim: Sequence, plan: _StepPlan) -> None:
+        """Free the victim's blocks and queue it for recompute."""
         self.running.remove(victim)
         self.kv.free(victim)
         victim.num_computed_tokens = 0
@@ -110,9 +145,16 @@ class Scheduler:
         victim.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.append(victim)
-        out.preempted.append(victim)
-        unplanned = planned.pop(victim.seq_id, None)
-        return unplanned.num_new_tokens if unplanned else 0
+        plan.out.preempted.append(victim)
+        unplanned = plan.planned.pop(victim.seq_id, None)
+        if unplanned:
+            plan.budget += unplanned.num_new_tokens
+
+    def update_after_step(self, out: SchedulerOutput) -> None:
+        """Account for the tokens the runner computed and cache the blocks they filled."""
+        for item in out.scheduled:
+            item.seq.num_computed_tokens += item.num_new_tokens
+            self.kv.cache_full_blocks(item.seq)
 
     def finish(self, seq: Sequence) -> None:
         """Take a finished or aborted sequence out of the queues and free its blocks at once."""

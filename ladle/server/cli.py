@@ -30,9 +30,13 @@ def run(args: argparse.Namespace) -> int:
     from ladle.server.app import DEFAULT_MAX_BODY_BYTES, create_app
     from ladle.server.context import served_model_name
 
-    config = engine_config_from_args(args)
+    try:
+        config = engine_config_from_args(args)
+        engine = AsyncEngine(LLMEngine(config))
+    except (FileNotFoundError, ValueError) as e:  # a bad model path or flag: say so, no traceback
+        print(f"ladle serve: {e}", file=sys.stderr)
+        return 2
     name = served_model_name(config)
-    engine = AsyncEngine(LLMEngine(config))
     app = create_app(engine, name, api_key=args.api_key,
                      max_body_bytes=args.max_request_body_bytes or DEFAULT_MAX_BODY_BYTES)
     host = f"[{args.host}]" if ":" in args.host else args.host

@@ -26,6 +26,8 @@ async def send_error(send: Send, status: int, message: str, code: str | None = N
 class BodyLimitMiddleware:
     """Reads each request body up front, answering 413 past `max_bytes`, then replays it to the app."""
 
+    DRAIN_LIMIT = 64 * 2**20  # an oversize body up to this is read and dropped, so the client sees the 413
+
     def __init__(self, app: ASGIApp, max_bytes: int):
         self.app = app
         self.max_bytes = max_bytes
@@ -33,9 +35,12 @@ class BodyLimitMiddleware:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
             return await self.app(scope, receive, send)
-        length = dict(scope["headers"]).get(b"content-length")
+        headers = dict(scope["headers"])
+        length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
-            return await self._too_large(send, int(length))
+            # with Expect: 100-continue the client waits for our answer before sending the body
+            drain = headers.get(b"expect", b"").lower() != b"100-continue" and int(length) <= self.DRAIN_LIMIT
+            return await self._too_large(receive, send, int(length), drain)
         chunks, size, more = [], 0, True
         while more:
             message = await receive()
@@ -43,10 +48,10 @@ class BodyLimitMiddleware:
                 return
             chunk = message.get("body", b"")
             size += len(chunk)
-            if size > self.max_bytes:
-                return await self._too_large(send, size)
-            chunks.append(chunk)
             more = message.get("more_body", False)
+            if size > self.max_bytes:
+                return await self._too_large(receive, send, size, more)
+            chunks.append(chunk)
         replay: Message | None = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
 
         async def replay_then_receive() -> Message:
@@ -58,9 +63,19 @@ class BodyLimitMiddleware:
 
         await self.app(scope, replay_then_receive, send)
 
-    async def _too_large(self, send: Send, size: int) -> None:
+    async def _too_large(self, receive: Receive, send: Send, size: int, drain: bool) -> None:
+        # Closing on a client that is still sending would reset the connection before it reads
+        # the answer, so read (and drop) the rest of a body of sane size first.
+        read, more = 0, drain
+        while more and read <= self.DRAIN_LIMIT:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            read += len(message.get("body", b""))
+            more = message.get("more_body", False)
         await send_error(send, 413, f"the request body is too large ({size} bytes or more; the limit is "
-                         f"{self.max_bytes} bytes)", code="request_too_large", headers=[(b"connection", b"close")])
+                         f"{self.max_bytes} bytes)", code="request_too_large",
+                         headers=[(b"connection", b"close")] if more else None)
 
 
 class APIKeyMiddleware:

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 from typing import TypeVar
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from pydantic import BaseModel, ValidationError
 
 from ladle.engine.async_engine import RequestStream
@@ -36,6 +36,10 @@ async def parse_body(request: Request, model: type[M]) -> M:
         return model.model_validate_json(await request.body())
     except ValidationError as e:
         raise validation_error(e.errors()) from None
+
+
+def json_response(body: BaseModel) -> Response:
+    return Response(body.model_dump_json(), media_type="application/json")
 
 
 def _renames(req: ChatCompletionRequest | CompletionRequest) -> dict[str, str]:
@@ -100,7 +104,7 @@ async def chat_completions(request: Request) -> Response:
     ]
     usage = Usage.of(len(ids), sum(len(c.token_ids) for c in result.outputs), cached)
     body = ChatCompletionResponse(id=request_id, model=ctx.model_name, choices=choices, usage=usage)
-    return JSONResponse(body.model_dump(mode="json"))
+    return json_response(body)
 
 
 async def _chat_events(ctx: ServerContext, req: ChatCompletionRequest, stream: RequestStream) -> AsyncIterator[str]:
@@ -156,7 +160,8 @@ async def completions(request: Request) -> Response:
     try:
         for i, ids in enumerate(prompt_ids):
             rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-            streams.append(await _submit(ctx, rid, ids, params, req.priority, {}))
+            streams.append(await _submit(ctx, rid, ids, params, req.priority,
+                                         {"prompt": f"prompt[{i}]"} if len(prompts) > 1 else {}))
     except BaseException:
         abort_all(streams)
         raise
@@ -186,7 +191,7 @@ async def completions(request: Request) -> Response:
                                             finish_reason=c.finish_reason, stop_reason=c.stop_reason))
     usage = Usage.of(sum(len(ids) for ids in prompt_ids), completion_tokens, cached)
     body = CompletionResponse(id=request_id, model=ctx.model_name, choices=choices, usage=usage)
-    return JSONResponse(body.model_dump(mode="json"))
+    return json_response(body)
 
 
 async def _collect_all(streams: list[RequestStream], n: int) -> list:

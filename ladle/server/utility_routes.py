@@ -12,7 +12,7 @@ from ladle.errors import InvalidRequestError
 from ladle.server.chat_prompt import chat_prompt
 from ladle.server.context import ServerContext, get_context
 from ladle.server.errors import APIError
-from ladle.server.openai_routes import parse_body
+from ladle.server.openai_routes import json_response, parse_body
 from ladle.server.protocol import (
     DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList, TokenizeRequest, TokenizeResponse,
 )
@@ -26,19 +26,19 @@ def _card(ctx: ServerContext) -> ModelCard:
 
 
 @router.get("/v1/models")
-async def list_models(request: Request) -> JSONResponse:
-    return JSONResponse(ModelList(data=[_card(get_context(request))]).model_dump(mode="json"))
+async def list_models(request: Request) -> Response:
+    return json_response(ModelList(data=[_card(get_context(request))]))
 
 
 @router.get("/v1/models/{model:path}")
-async def retrieve_model(model: str, request: Request) -> JSONResponse:
+async def retrieve_model(model: str, request: Request) -> Response:
     ctx = get_context(request)
     ctx.check_model(model)
-    return JSONResponse(_card(ctx).model_dump(mode="json"))
+    return json_response(_card(ctx))
 
 
 @router.post("/tokenize")
-async def tokenize(request: Request) -> JSONResponse:
+async def tokenize(request: Request) -> Response:
     ctx = get_context(request)
     req = await parse_body(request, TokenizeRequest)
     ctx.check_model(req.model)
@@ -55,11 +55,11 @@ async def tokenize(request: Request) -> JSONResponse:
     ids = tok.encode(text, add_special_tokens=add_special)
     strs = [tok.id_to_token(i) for i in ids] if req.return_token_strs else None
     body = TokenizeResponse(count=len(ids), max_model_len=ctx.engine.max_model_len, tokens=ids, token_strs=strs)
-    return JSONResponse(body.model_dump(mode="json"))
+    return json_response(body)
 
 
 @router.post("/detokenize")
-async def detokenize(request: Request) -> JSONResponse:
+async def detokenize(request: Request) -> Response:
     ctx = get_context(request)
     req = await parse_body(request, DetokenizeRequest)
     ctx.check_model(req.model)
@@ -67,7 +67,7 @@ async def detokenize(request: Request) -> JSONResponse:
     bad = next((i for i, t in enumerate(req.tokens) if not 0 <= t < vocab), None)
     if bad is not None:
         raise APIError(400, f"token id {req.tokens[bad]} is out of range [0, {vocab})", param=f"tokens[{bad}]")
-    return JSONResponse(DetokenizeResponse(prompt=ctx.engine.tokenizer.decode(req.tokens)).model_dump(mode="json"))
+    return json_response(DetokenizeResponse(prompt=ctx.engine.tokenizer.decode(req.tokens)))
 
 
 @router.get("/health")
@@ -78,11 +78,11 @@ async def health(request: Request) -> Response:
 
 
 @router.get("/version")
-async def version() -> JSONResponse:
+async def version() -> Response:
     return JSONResponse({"version": __version__})
 
 
 @router.get("/v1/engine/stats")
-async def engine_stats(request: Request) -> JSONResponse:
+async def engine_stats(request: Request) -> Response:
     """Scheduler and KV pool state after the last step (until GET /metrics exists)."""
     return JSONResponse(asdict(get_context(request).engine.snapshot()))

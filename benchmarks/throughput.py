@@ -1,0 +1,155 @@
+"""Output tokens/s: ladle against transformers `generate`, same model, dtype and threads.
+
+  uniform  16 prompts x 256 tokens, 64 generated each (ignore_eos)
+  mixed    48 seeded requests, prompts 16..768, outputs 8..256, at most 16 running;
+           transformers runs them as padded batches of 16, each until its longest ends
+  decode   batch-1 ms/token against the memory-bandwidth bound, and the mixed run's
+           FLOPs against measured matmul FLOP/s
+
+Usage: python benchmarks/throughput.py [--model PATH] [--cases uniform,mixed,decode] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import machine, matmul_gflops, random_prompt_ids, read_bandwidth_gbs  # noqa: E402
+
+from ladle import LLM, SamplingParams  # noqa: E402
+
+
+def uniform_workload(n: int = 16, prompt_len: int = 256, out_len: int = 64) -> list[tuple[list[int], int]]:
+    rng = random.Random(0)
+    return [(random_prompt_ids(rng, prompt_len), out_len) for _ in range(n)]
+
+
+def mixed_workload(n: int = 48, seed: int = 0) -> list[tuple[list[int], int]]:
+    rng = random.Random(seed)
+    return [(random_prompt_ids(rng, rng.randint(16, 768)), rng.randint(8, 256)) for _ in range(n)]
+
+
+def run_ladle(llm: LLM, work: list[tuple[list[int], int]]) -> tuple[float, int]:
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for _, m in work]
+    t = time.perf_counter()
+    results = llm.generate([p for p, _ in work], params, use_tqdm=True)
+    elapsed = time.perf_counter() - t
+    return elapsed, sum(len(r.outputs[0].token_ids) for r in results)
+
+
+def run_hf(model, work: list[tuple[list[int], int]], batch: int = 16) -> tuple[float, int]:
+    """Padded static batches in arrival order; useful tokens are each request's own max."""
+    t = time.perf_counter()
+    useful = 0
+    for start in range(0, len(work), batch):
+        chunk = work[start : start + batch]
+        width = max(len(p) for p, _ in chunk)
+        ids = torch.zeros(len(chunk), width, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, (p, _) in enumerate(chunk):  # left padding, as decoder-only generation wants
+            ids[i, width - len(p) :] = torch.tensor(p)
+            mask[i, width - len(p) :] = 1
+        longest = max(m for _, m in chunk)
+        with torch.no_grad():
+            model.generate(ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=longest,
+                           do_sample=False, pad_token_id=0)
+        useful += sum(m for _, m in chunk)
+        print(f"    transformers batch {start // batch + 1}/{-(-len(work) // batch)} done", flush=True)
+    return time.perf_counter() - t, useful
+
+
+def weight_bytes_per_token(llm: LLM) -> int:
+    m = llm.engine.runner.model
+    per_layer = sum(t.numel() * t.element_size() for L in m.layers for t in (L.qkv, L.o_proj, L.gate_up, L.down))
+    return per_layer + m.lm_head.numel() * m.lm_head.element_size()
+
+
+def workload_flops(llm: LLM, work: list[tuple[list[int], int]]) -> float:
+    """Matmul FLOPs of computing every prompt and output token once (linears + attention + lm_head)."""
+    c = llm.engine.model_config
+    m = llm.engine.runner.model
+    linear_params = sum(t.numel() for L in m.layers for t in (L.qkv, L.o_proj, L.gate_up, L.down))
+    head = c.vocab_size * c.hidden_size
+    attn_per_ctx = 4 * c.num_hidden_layers * c.num_attention_heads * c.head_dim  # QK^T and PV, per key
+    total = 0.0
+    for prompt, out in work:
+        tokens = len(prompt) + out
+        total += 2 * linear_params * tokens + 2 * head * (out + 1)
+        total += attn_per_ctx * tokens * (tokens + 1) / 2
+    return total
+
+
+def batch1_decode_ms(llm: LLM, n: int = 128) -> float:
+    prompt = random_prompt_ids(random.Random(1), 32)
+    short = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    long = SamplingParams(temperature=0.0, max_tokens=n + 1, ignore_eos=True)
+    llm.generate([prompt], short)  # warm up
+    t0 = time.perf_counter()
+    llm.generate([prompt], short)
+    t1 = time.perf_counter()
+    llm.generate([prompt], long)
+    t2 = time.perf_counter()
+    return ((t2 - t1) - (t1 - t0)) / n * 1000
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="HF folder or .gguf (default: the embedded SmolLM2-135M)")
+    ap.add_argument("--cases", default="uniform,mixed,decode")
+    ap.add_argument("--quick", action="store_true", help="smaller workloads, for a smoke run")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=512)
+    ap.add_argument("--save", default=None, help="write the figures as JSON here")
+    args = ap.parse_args()
+    cases = args.cases.split(",")
+    print(f"machine: {machine()}")
+    llm = LLM(args.model, max_num_seqs=16, max_num_batched_tokens=args.max_num_batched_tokens)
+    report: dict = {"machine": machine(), "model": str(llm.engine.model_path)}
+    hf = None
+    if "uniform" in cases or "mixed" in cases:
+        from transformers import AutoModelForCausalLM
+
+        hf = AutoModelForCausalLM.from_pretrained(llm.engine.model_path, dtype=torch.float32).eval()
+    scale = 4 if args.quick else 1
+    workloads = {"uniform": uniform_workload(16 // scale, 256, 64 // scale), "mixed": mixed_workload(48 // scale)}
+    for name in ("uniform", "mixed"):
+        if name not in cases:
+            continue
+        work = workloads[name]
+        print(f"\n[{name}] {len(work)} requests, {sum(len(p) for p, _ in work)} prompt tokens, "
+              f"{sum(m for _, m in work)} output tokens")
+        lt, ln = run_ladle(llm, work)
+        ht, hn = run_hf(hf, work)
+        row = {"ladle_tok_s": ln / lt, "hf_tok_s": hn / ht, "ratio": (ln / lt) / (hn / ht),
+               "ladle_s": lt, "hf_s": ht}
+        if name == "mixed":
+            gflops = matmul_gflops()
+            achieved = workload_flops(llm, work) / lt / 1e9
+            row.update(achieved_gflops=achieved, matmul_gflops=gflops, flops_pct=100 * achieved / gflops)
+        report[name] = row
+        print(f"  ladle {row['ladle_tok_s']:.1f} tok/s | transformers {row['hf_tok_s']:.1f} tok/s | "
+              f"ratio {row['ratio']:.2f}x")
+        if name == "mixed":
+            print(f"  mixed FLOPs: {row['achieved_gflops']:.1f} GFLOP/s of {row['matmul_gflops']:.1f} measured "
+                  f"matmul GFLOP/s = {row['flops_pct']:.0f}%")
+    if "decode" in cases:
+        ms = batch1_decode_ms(llm, 32 if args.quick else 128)
+        bw = read_bandwidth_gbs()
+        wb = weight_bytes_per_token(llm)
+        bound_ms = wb / (bw * 1e9) * 1000
+        report["decode"] = {"ms_per_token": ms, "bound_ms": bound_ms, "read_gbs": bw, "weight_mb": wb / 1e6,
+                            "pct_of_bound": 100 * bound_ms / ms}
+        print(f"\n[decode] batch-1 {ms:.1f} ms/token; bound {wb / 1e6:.0f} MB / {bw:.1f} GB/s = {bound_ms:.1f} ms "
+              f"-> {100 * bound_ms / ms:.0f}% of the bandwidth bound")
+    if args.save:
+        Path(args.save).write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,85 @@
+"""Radix tree of cached prefixes at block granularity, with LRU eviction.
+
+Each node is one full block of tokens; the path from the root spells a token prefix
+and every node names the KV block that holds that block's keys and values. Blocks
+held by no sequence stay in the tree, reusable, until the pool needs room: then the
+least recently used unreferenced leaves go first. "Recently used" is the moment a
+block lost its last reference: `evictable` keeps that order, so eviction is O(1).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+Key = tuple[int, ...]
+
+
+@dataclass(eq=False)
+class Node:
+    key: Key
+    block_id: int
+    parent: "Node | None"
+    children: dict[Key, "Node"] = field(default_factory=dict)
+
+
+class RadixCache:
+    def __init__(self, block_size: int):
+        self.block_size = block_size
+        self.root = Node(key=(), block_id=-1, parent=None)
+        self.by_block: dict[int, Node] = {}
+        self.evictable: OrderedDict[int, Node] = OrderedDict()  # unreferenced leaves, oldest first
+
+    def __len__(self) -> int:
+        return len(self.by_block)
+
+    def _keys(self, tokens: list[int], max_blocks: int) -> list[Key]:
+        bs = self.block_size
+        return [tuple(tokens[i * bs : (i + 1) * bs]) for i in range(max_blocks)]
+
+    def match(self, tokens: list[int], max_blocks: int) -> list[Node]:
+        """Longest cached path for tokens, at most max_blocks deep (read-only)."""
+        path, node = [], self.root
+        for key in self._keys(tokens, max_blocks):
+            node = node.children.get(key)
+            if node is None:
+                break
+            path.append(node)
+        return path
+
+    def insert(self, parent: Node | None, key: Key, block_id: int) -> Node:
+        """Add block_id under parent (None: the root). If that block content is already
+        cached, the existing node is returned and block_id stays private."""
+        parent = parent or self.root
+        existing = parent.children.get(key)
+        if existing is not None:
+            return existing
+        node = Node(key=key, block_id=block_id, parent=parent)
+        parent.children[key] = node
+        self.by_block[block_id] = node
+        self.evictable.pop(parent.block_id, None)  # a parent with children is no leaf
+        return node
+
+    def contains_block(self, block_id: int) -> bool:
+        return block_id in self.by_block
+
+    def mark_referenced(self, block_id: int) -> None:
+        self.evictable.pop(block_id, None)
+
+    def mark_unreferenced(self, block_id: int) -> None:
+        node = self.by_block[block_id]
+        if not node.children:
+            self.evictable[block_id] = node
+            self.evictable.move_to_end(block_id)
+
+    def evict_lru(self, is_unreferenced) -> int | None:
+        """Remove the least recently used unreferenced leaf; returns its block id."""
+        if not self.evictable:
+            return None
+        block_id, node = self.evictable.popitem(last=False)
+        del self.by_block[block_id]
+        parent = node.parent
+        del parent.children[node.key]
+        if parent is not self.root and not parent.children and is_unreferenced(parent.block_id):
+            self.evictable[parent.block_id] = parent
+        return block_id

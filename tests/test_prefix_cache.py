@@ -1,0 +1,144 @@
+"""Prefix caching, eviction and priority scheduling in the engine."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from ladle import LLM, SamplingParams
+from ladle.engine.kv_cache import KVCacheManager
+from ladle.engine.request import Sequence
+from tiny_models import build_tiny_model
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+
+def ids(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(200, 40000) for _ in range(n)]
+
+
+def assert_no_leak(llm: LLM) -> None:
+    kv = llm.engine.kv
+    assert not llm.engine.has_unfinished_requests()
+    assert all(c == 0 for c in kv.pool.ref_counts), "a block is still referenced"
+    assert kv.num_free_blocks == kv.num_blocks
+    assert len(kv.pool.free_ids) + kv.num_cached_blocks == kv.num_blocks
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory, smollm2_dir: Path) -> Path:
+    return build_tiny_model("llama", tmp_path_factory.mktemp("llama"), smollm2_dir)
+
+
+def test_shared_1000_token_prefix_prefills_only_the_suffix(smollm2_dir: Path) -> None:
+    rng = random.Random(0)
+    prefix = ids(rng, 1000)
+    prompts = [prefix + ids(rng, 24), prefix + ids(rng, 40)]
+    cached = LLM(str(smollm2_dir), kv_cache_memory_gib=0.5)
+    first = cached.generate([prompts[0]], GREEDY)[0]
+    queries, hits = cached.engine.kv.stats.queries, cached.engine.kv.stats.hits
+    second = cached.generate([prompts[1]], GREEDY)[0]
+    hit = cached.engine.kv.stats.hits - hits
+    assert hit == 1000 // 16 * 16  # every full block of the shared prefix
+    assert cached.engine.kv.stats.queries - queries == len(prompts[1])
+    plain = LLM(str(smollm2_dir), kv_cache_memory_gib=0.5, enable_prefix_caching=False)
+    cold = plain.generate(prompts, GREEDY)
+    assert [first.outputs[0].token_ids, second.outputs[0].token_ids] == [c.outputs[0].token_ids for c in cold]
+    assert plain.engine.kv.stats.hits == 0
+    assert_no_leak(cached)
+    assert_no_leak(plain)
+
+
+def test_full_hit_still_computes_the_last_token(tiny_llama: Path) -> None:
+    llm = LLM(str(tiny_llama), block_size=8)
+    prompt = ids(random.Random(1), 64)  # exactly 8 full blocks
+    a = llm.generate([prompt], GREEDY)[0].outputs[0].token_ids
+    b = llm.generate([prompt], GREEDY)[0].outputs[0].token_ids
+    assert a == b
+    assert llm.engine.kv.stats.hits == 56  # 7 of 8 blocks: the last block is recomputed
+    assert_no_leak(llm)
+
+
+def test_eviction_under_a_small_pool_keeps_outputs_right(tiny_llama: Path) -> None:
+    rng = random.Random(2)
+    prefixes = [ids(rng, 96) for _ in range(6)]  # 6 distinct prefixes x 12 blocks > 40 blocks
+    prompts = [p + ids(rng, 8) for p in prefixes for _ in range(2)]
+    rng.shuffle(prompts)
+    small = LLM(str(tiny_llama), num_kv_blocks=40, block_size=8, max_num_seqs=2)
+    got = []
+    for i in range(0, len(prompts), 3):  # waves, so later ones find (or lost) earlier prefixes
+        got += [r.outputs[0].token_ids for r in small.generate(prompts[i : i + 3], GREEDY)]
+    assert small.engine.kv.stats.evictions > 0
+    assert small.engine.kv.stats.hits > 0
+    ref = LLM(str(tiny_llama), enable_prefix_caching=False)
+    assert got == [r.outputs[0].token_ids for r in ref.generate(prompts, GREEDY)]
+    assert_no_leak(small)
+
+
+def test_concurrent_identical_prompts_share_blocks(tiny_llama: Path) -> None:
+    llm = LLM(str(tiny_llama), block_size=8)
+    prompt = ids(random.Random(3), 80)
+    outs = llm.generate([prompt] * 4, GREEDY)
+    assert len({tuple(o.outputs[0].token_ids) for o in outs}) == 1
+    assert_no_leak(llm)
+
+
+def test_radix_tree_bookkeeping() -> None:
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+
+    def seq(tokens: list[int]) -> Sequence:
+        return Sequence(seq_id=0, request_id="r", index=0, token_ids=tokens, num_prompt_tokens=len(tokens),
+                        params=GREEDY, arrival_time=0.0)
+
+    a = seq(list(range(13)))
+    assert kv.match_prefix(a) == 0 and kv.allocate_slots(a, 13)
+    a.num_computed_tokens = 13
+    kv.cache_full_blocks(a)
+    assert kv.num_cached_blocks == 3 and kv.usage == 4 / 8
+    kv.free(a)
+    assert kv.num_free_blocks == 8 and kv.usage == 0.0
+    b = seq(list(range(8)) + [99] * 5)
+    assert kv.match_prefix(b) == 8  # two blocks shared, the third differs
+    assert kv.allocate_slots(b, 5)
+    kv.free(b)
+    big = seq(list(range(100, 132)))  # needs all 8 blocks: evicts every cached one
+    assert kv.allocate_slots(big, 32)
+    assert kv.stats.evictions == 3 and kv.num_cached_blocks == 0
+    kv.free(big)
+
+
+def test_priority_arrival_preempts_and_finishes_first(tiny_llama: Path) -> None:
+    llm = LLM(str(tiny_llama), scheduling_policy="priority", max_num_seqs=2)
+    eng = llm.engine
+    long = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    short = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    rng = random.Random(4)
+    eng.add_request("low-1", ids(rng, 20), long, priority=10)
+    eng.add_request("low-2", ids(rng, 20), long, priority=10)
+    for _ in range(3):
+        eng.step()
+    assert len(eng.scheduler.running) == 2  # the server is full
+    eng.add_request("urgent", ids(rng, 20), short, priority=0)
+    finished = []
+    while eng.has_unfinished_requests():
+        finished += [o.request_id for o in eng.step() if o.finished]
+    assert finished[0] == "urgent"
+    assert eng.scheduler.num_preemptions >= 1
+    assert_no_leak(llm)
+
+
+def test_lpm_policy_runs_the_longest_cached_prefix_first(tiny_llama: Path) -> None:
+    llm = LLM(str(tiny_llama), scheduling_policy="lpm", max_num_seqs=1, block_size=8)
+    eng = llm.engine
+    rng = random.Random(5)
+    shared = ids(rng, 64)
+    llm.generate([shared + ids(rng, 4)], GREEDY)  # warm the cache with `shared`
+    eng.add_request("cold", ids(rng, 70), GREEDY)
+    eng.add_request("warm", shared + ids(rng, 6), GREEDY)
+    first = eng.step()
+    assert eng.scheduler.running[0].request_id == "warm" or any(o.request_id == "warm" for o in first)
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert_no_leak(llm)
