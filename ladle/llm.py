@@ -23,6 +23,7 @@ class Completion:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    label_logprobs: list[float] | None = None  # scoring requests (SamplingParams.label_token_ids)
 
 
 @dataclass
@@ -41,6 +42,8 @@ class GenerationResult:
             c.token_ids += d.token_ids
             c.logprobs += d.logprobs
             c.finish_reason, c.stop_reason = d.finish_reason, d.stop_reason
+            if d.label_logprobs is not None:
+                c.label_logprobs = d.label_logprobs
 
 
 class LLM:

@@ -96,6 +96,9 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if any(not 0 <= t < vocab for t in ids):
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", param="prompt")
+        for name in ("stop_token_ids", "label_token_ids"):
+            if any(not 0 <= t < vocab for t in getattr(params, name) or ()):
+                raise InvalidRequestError(f"{name} must be in [0, {vocab})", param=name)
         limit = self.max_model_len
         want = len(ids) + (params.max_tokens or 1)
         if len(ids) >= limit or want > limit:
@@ -140,11 +143,17 @@ class LLMEngine:
         self.scheduler.update_after_step(plan)
         for seq, first, rows in logits.prompt_rows:
             self._record_prompt_logprobs(seq, first, rows)
-        sampled = self.sampler(logits.sample_logits, logits.sample_seqs) if logits.sample_seqs else []
+        rows = [i for i, s in enumerate(logits.sample_seqs) if not s.params.is_scoring]
+        scored = [i for i, s in enumerate(logits.sample_seqs) if s.params.is_scoring]
+        sampled = self.sampler(logits.sample_logits[rows], [logits.sample_seqs[i] for i in rows]) if rows else []
         done_at = time.time()
         deltas: dict[str, list[CompletionDelta]] = {}
-        for seq, (token, lp) in zip(logits.sample_seqs, sampled):
+        for i, (token, lp) in zip(rows, sampled):
+            seq = logits.sample_seqs[i]
             deltas.setdefault(seq.request_id, []).append(self._append_token(seq, token, lp, done_at))
+        for i in scored:
+            seq = logits.sample_seqs[i]
+            deltas.setdefault(seq.request_id, []).append(self._finish_scoring(seq, logits.sample_logits[i], done_at))
         self.stats.steps += 1
         self.stats.generation_tokens += len(sampled)
         self.stats.recent_generation.append((done_at, len(sampled)))
@@ -174,6 +183,15 @@ class LLMEngine:
             self.scheduler.finish(seq)
         return CompletionDelta(index=seq.index, token_ids=[token], text=seq.text.release(finish is not None),
                                logprobs=[lp] if lp is not None else [], finish_reason=finish, stop_reason=stop_reason)
+
+    def _finish_scoring(self, seq: Sequence, logits: torch.Tensor, now: float) -> CompletionDelta:
+        logprobs = torch.log_softmax(logits.double(), dim=-1)
+        labels = logprobs[torch.tensor(seq.params.label_token_ids)].tolist()
+        seq.first_token_time = seq.last_token_time = now
+        seq.finish_reason = "stop"
+        self.scheduler.finish(seq)
+        return CompletionDelta(index=seq.index, token_ids=[], text="", logprobs=[], finish_reason="stop",
+                               label_logprobs=labels)
 
     def _record_prompt_logprobs(self, seq: Sequence, first: int, logits: torch.Tensor) -> None:
         logprobs = torch.log_softmax(logits.float(), dim=-1)

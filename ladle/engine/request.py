@@ -98,6 +98,7 @@ class CompletionDelta:
     logprobs: list[TokenLogprob]
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    label_logprobs: list[float] | None = None  # scoring requests: one per label token
 
 
 @dataclass

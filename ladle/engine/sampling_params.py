@@ -28,6 +28,10 @@ class SamplingParams:
     logprobs: int | None = None  # top alternatives to return per sampled token
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    # Prefill-only scoring (decisions, /v1/score): when set, nothing is sampled; the
+    # request returns these tokens' full-vocabulary log-probabilities at the position
+    # after the prompt, and finishes.
+    label_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -50,10 +54,17 @@ class SamplingParams:
             (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "must be in [0, 20]"),
             (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20, "prompt_logprobs", "must be in [0, 20]"),
             (all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings"),
+            (all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+             "must be non-negative token ids"),
+            (self.label_token_ids is None or len(self.label_token_ids) > 0, "label_token_ids", "must not be empty"),
         ]
         for ok, name, why in checks:
             if not ok:
                 raise InvalidRequestError(f"{name} {why}", param=name)
+
+    @property
+    def is_scoring(self) -> bool:
+        return self.label_token_ids is not None
 
     @property
     def greedy(self) -> bool:
