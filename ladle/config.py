@@ -24,6 +24,7 @@ class EngineConfig:
     max_waiting_requests: int | None = None  # admission bound; past it the server answers 429
     num_threads: int | None = None  # torch intra-op threads; None: torch's default
     seed: int = 0  # for requests without their own seed
+    deterministic: bool = False  # batch-invariant numerics: same bits cold or cached, alone or batched
 
     def __post_init__(self) -> None:
         if self.scheduling_policy not in SCHEDULING_POLICIES:
@@ -55,6 +56,9 @@ def add_engine_arguments(parser) -> None:
                    help="queue bound: past it new requests get 429 with Retry-After")
     g.add_argument("--num-threads", type=int, default=None, help="torch threads (default: torch's choice)")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--deterministic", action="store_true",
+                   help="batch-invariant numerics: a prompt's logits are bit-identical cold or cached, "
+                        "alone or batched (slower attention)")
 
 
 def engine_config_from_args(args) -> EngineConfig:
@@ -65,4 +69,5 @@ def engine_config_from_args(args) -> EngineConfig:
         kv_cache_memory_gib=args.kv_cache_memory_gib, num_kv_blocks=args.num_kv_blocks,
         scheduling_policy=args.scheduling_policy, enable_prefix_caching=args.enable_prefix_caching,
         max_waiting_requests=args.max_waiting_requests, num_threads=args.num_threads, seed=args.seed,
+        deterministic=args.deterministic,
     )

@@ -55,9 +55,11 @@ class LLMEngine:
         if model_len > pool_tokens:
             log.warning("max_model_len %d exceeds the KV pool (%d tokens); capping it", model_len, pool_tokens)
         self.max_model_len = min(model_len, pool_tokens, self.model_config.max_position_embeddings)
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
+                                 cache_outputs=not config.deterministic)
         self.scheduler = Scheduler(config, self.kv)
-        self.runner = ModelRunner(self.model_config, load_weights(folder), num_blocks, config.block_size)
+        self.runner = ModelRunner(self.model_config, load_weights(folder), num_blocks, config.block_size,
+                                  deterministic=config.deterministic)
         self.sampler = Sampler(config.seed)
         self.requests: dict[str, list[Sequence]] = {}
         self.stats = EngineStats()

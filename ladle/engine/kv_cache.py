@@ -51,8 +51,12 @@ class BlockPool:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 cache_outputs: bool = True):
         self.block_size = block_size
+        # False in deterministic mode: generated tokens' K/V came from single-token decode
+        # steps, not the canonical tiled prefill that a later prompt would compute.
+        self.cache_outputs = cache_outputs
         self.pool = BlockPool(num_blocks)
         self.cache = RadixCache(block_size) if enable_prefix_caching else None
         self.num_cached_unreferenced = 0
@@ -112,7 +116,8 @@ class KVCacheManager:
         """Enter seq's newly completed blocks into the tree (after a step computed them)."""
         if self.cache is None:
             return
-        full = seq.num_computed_tokens // self.block_size
+        computed = seq.num_computed_tokens if self.cache_outputs else min(seq.num_computed_tokens, seq.num_prompt_tokens)
+        full = computed // self.block_size
         bs = self.block_size
         for k in range(seq.num_cached_blocks, full):
             parent = self.cache.by_block[seq.block_table[k - 1]] if k else None

@@ -73,6 +73,8 @@ class Scheduler:
             if seq.status is not SeqStatus.RUNNING or plan.budget == 0:
                 continue
             n = self._chunk(seq, plan.budget)
+            if n == 0:
+                continue
             while not self.kv.allocate_slots(seq, n):
                 victim = max(self.running, key=self._urgency)
                 self._preempt(victim, plan)
@@ -95,10 +97,10 @@ class Scheduler:
                 break
             hit = self.kv.match_prefix(seq)
             n = self._chunk(seq, plan.budget)
-            if not self.kv.allocate_slots(seq, n):
+            if n == 0 or not self.kv.allocate_slots(seq, n):
                 self.kv.free(seq)
                 seq.num_computed_tokens = 0
-                if self._preempt_for(seq, plan):
+                if n > 0 and self._preempt_for(seq, plan):
                     continue
                 break
             if seq.num_preemptions == 0:
@@ -131,10 +133,16 @@ class Scheduler:
         return seq.num_tokens - seq.num_computed_tokens
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
-        n = self._remaining(seq)
+        remaining = self._remaining(seq)
+        n = remaining
         if self.config.long_prefill_token_threshold > 0:
             n = min(n, self.config.long_prefill_token_threshold)
-        return min(n, budget)
+        n = min(n, budget)
+        if (self.config.deterministic or seq.params.is_scoring) and n < remaining:
+            # Chunks end on block boundaries, so no attention tile is ever split.
+            bs = self.config.block_size
+            n = (seq.num_computed_tokens + n) // bs * bs - seq.num_computed_tokens
+        return n
 
     def _preempt(self, victim: Sequence, plan: _StepPlan) -> None:
         """Free the victim's blocks and queue it for recompute."""

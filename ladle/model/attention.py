@@ -21,6 +21,9 @@ class PrefillSpan:
     end: int  # one past the last row
     context_len: int  # tokens cached for the sequence once this chunk is written
     block_table: torch.Tensor  # int64 block ids covering context_len
+    # Batch-invariant: attend one block-aligned tile of queries at a time, so each token's
+    # result depends only on its sequence's tokens, never on chunking or batch.
+    tiled: bool = False
 
 
 @dataclass
@@ -36,6 +39,7 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None = None  # [B, max_blocks]
     decode_mask: torch.Tensor | None = None  # [B, 1, 1, max_blocks * block_size], True = attend
     prefills: list[PrefillSpan] = field(default_factory=list)
+    batch_invariant: bool = False  # linear layers must give each row the same bits whatever the batch
 
 
 class AttentionBackend(Protocol):
@@ -93,7 +97,8 @@ class TorchPagedAttention:
         if meta.num_decodes:
             out[: meta.num_decodes] = self._decode(layer, q[: meta.num_decodes], meta)
         for span in meta.prefills:
-            out[span.start : span.end] = self._prefill(layer, span, q, k, v)
+            attend_span = self._tiles if span.tiled else self._prefill
+            out[span.start : span.end] = attend_span(layer, span, q, k, v)
         return out
 
     def _gather(self, cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
@@ -129,3 +134,23 @@ class TorchPagedAttention:
         vs = vs.transpose(0, 1).unsqueeze(0)
         o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=causal, enable_gqa=True)
         return o[0].transpose(0, 1).reshape(n, self.num_heads * self.head_dim)
+
+    def _tiles(self, layer: int, span: PrefillSpan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Queries in tiles aligned to absolute block boundaries, each against exactly the
+        keys up to its end: the same call shapes whether a prefix was cached or not."""
+        bs = self.cache.block_size
+        n = span.end - span.start
+        first = span.context_len - n  # absolute position of the span's first query
+        keys = self._gather(self.cache.k[layer], span.block_table)[: span.context_len].transpose(0, 1)
+        values = self._gather(self.cache.v[layer], span.block_table)[: span.context_len].transpose(0, 1)
+        out = []
+        pos = first
+        while pos < span.context_len:
+            tile_end = min((pos // bs + 1) * bs, span.context_len)
+            rows = q[span.start + pos - first : span.start + tile_end - first].transpose(0, 1)
+            causal = torch.ones(tile_end - pos, tile_end, dtype=torch.bool).tril(pos)
+            o = F.scaled_dot_product_attention(rows.unsqueeze(0), keys[:, :tile_end].unsqueeze(0),
+                                               values[:, :tile_end].unsqueeze(0), attn_mask=causal, enable_gqa=True)
+            out.append(o[0].transpose(0, 1).reshape(tile_end - pos, self.num_heads * self.head_dim))
+            pos = tile_end
+        return torch.cat(out)

@@ -9,6 +9,21 @@ import torch
 import torch.nn.functional as F
 
 
+# fp32 matmuls on CPU (MKL) give a row the same bits whatever else shares the call
+# once a call has at least this many rows; smaller calls take other kernels.
+BATCH_INVARIANT_MIN_ROWS = 16
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           batch_invariant: bool = False) -> torch.Tensor:
+    rows = x.shape[0]
+    if batch_invariant and rows < BATCH_INVARIANT_MIN_ROWS:
+        padded = torch.zeros(BATCH_INVARIANT_MIN_ROWS, x.shape[1], dtype=x.dtype, device=x.device)
+        padded[:rows] = x
+        return F.linear(padded, weight, bias)[:rows]
+    return F.linear(x, weight, bias)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
 

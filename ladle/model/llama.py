@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from ladle.model.attention import AttentionBackend, AttentionMetadata
 from ladle.model.config import ModelConfig
-from ladle.model.layers import RotaryEmbedding, rms_norm, silu_and_mul
+from ladle.model.layers import RotaryEmbedding, linear, rms_norm, silu_and_mul
 
 
 @dataclass
@@ -65,18 +65,19 @@ class LlamaForCausalLM:
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions: [T]. Returns the final normed hidden states [T, hidden]."""
+        inv = meta.batch_invariant
         h = F.embedding(input_ids, self.embed)
         for i, layer in enumerate(self.layers):
             h = h + self._attention(i, layer, rms_norm(h, layer.input_norm, self.cfg.rms_norm_eps), positions, meta)
             x = rms_norm(h, layer.post_attn_norm, self.cfg.rms_norm_eps)
-            h = h + F.linear(silu_and_mul(F.linear(x, layer.gate_up)), layer.down)
+            h = h + linear(silu_and_mul(linear(x, layer.gate_up, None, inv)), layer.down, None, inv)
         return rms_norm(h, self.norm, self.cfg.rms_norm_eps)
 
     def _attention(self, i: int, layer: DecoderLayerWeights, x: torch.Tensor, positions: torch.Tensor,
                    meta: AttentionMetadata) -> torch.Tensor:
         cfg = self.cfg
         t = x.shape[0]
-        qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+        qkv = linear(x, layer.qkv, layer.qkv_bias, meta.batch_invariant)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, cfg.num_attention_heads, cfg.head_dim)
         k = k.view(t, cfg.num_key_value_heads, cfg.head_dim)
@@ -87,8 +88,8 @@ class LlamaForCausalLM:
         q, k = self.rotary(positions, q, k)
         self.attention.write_kv(i, k, v, meta)
         o = self.attention.attend(i, q, k, v, meta)
-        return F.linear(o, layer.o_proj)
+        return linear(o, layer.o_proj, None, meta.batch_invariant)
 
     @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head)
+    def compute_logits(self, hidden: torch.Tensor, batch_invariant: bool = False) -> torch.Tensor:
+        return linear(hidden, self.lm_head, None, batch_invariant)

@@ -28,15 +28,25 @@ class StepLogits:
 
 
 class ModelRunner:
-    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], num_blocks: int, block_size: int):
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], num_blocks: int, block_size: int,
+                 deterministic: bool = False):
         self.cfg = cfg
         self.block_size = block_size
+        self.deterministic = deterministic
         self.kv_cache = KVCache(cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
         backend = TorchPagedAttention(self.kv_cache, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
         self.model = LlamaForCausalLM(cfg, weights, backend)
 
+    def _tiled(self, seq: Sequence) -> bool:
+        # Scoring (decisions) always computes canonically, so its probabilities do not move
+        # with caching or batching; --deterministic extends that to every sequence.
+        return self.deterministic or seq.params.is_scoring
+
+    def _is_decode(self, item: ScheduledSeq) -> bool:
+        return item.num_new_tokens == 1 and not self._tiled(item.seq)
+
     def execute(self, batch: list[ScheduledSeq]) -> StepLogits:
-        batch = sorted(batch, key=lambda s: s.num_new_tokens != 1)  # decodes first
+        batch = sorted(batch, key=lambda s: not self._is_decode(s))  # decodes first
         input_ids, positions, slots = [], [], []
         for item in batch:
             seq, start = item.seq, item.seq.num_computed_tokens
@@ -47,11 +57,11 @@ class ModelRunner:
             slots.extend(table[p // self.block_size] * self.block_size + p % self.block_size for p in pos)
         meta = self._metadata(batch, torch.tensor(slots, dtype=torch.int64))
         hidden = self.model.forward(torch.tensor(input_ids), torch.tensor(positions), meta)
-        return self._logits(batch, hidden)
+        return self._logits(batch, hidden, meta.batch_invariant)
 
     def _metadata(self, batch: list[ScheduledSeq], slots: torch.Tensor) -> AttentionMetadata:
         meta = AttentionMetadata(slot_mapping=slots)
-        decodes = [s.seq for s in batch if s.num_new_tokens == 1]
+        decodes = [s.seq for s in batch if self._is_decode(s)]
         if decodes:
             ctx = torch.tensor([s.num_computed_tokens + 1 for s in decodes])
             width = max(len(s.block_table) for s in decodes)
@@ -67,11 +77,12 @@ class ModelRunner:
             seq = item.seq
             ctx = seq.num_computed_tokens + item.num_new_tokens
             table = torch.tensor(seq.block_table[: -(-ctx // self.block_size)], dtype=torch.int64)
-            meta.prefills.append(PrefillSpan(row, row + item.num_new_tokens, ctx, table))
+            meta.prefills.append(PrefillSpan(row, row + item.num_new_tokens, ctx, table, tiled=self._tiled(seq)))
             row += item.num_new_tokens
+        meta.batch_invariant = any(span.tiled for span in meta.prefills)
         return meta
 
-    def _logits(self, batch: list[ScheduledSeq], hidden: torch.Tensor) -> StepLogits:
+    def _logits(self, batch: list[ScheduledSeq], hidden: torch.Tensor, batch_invariant: bool) -> StepLogits:
         sample_rows, sample_seqs, prompt_rows = [], [], []
         row = 0
         for item in batch:
@@ -85,5 +96,5 @@ class ModelRunner:
                 sample_rows.append(row + n - 1)
                 sample_seqs.append(seq)
             row += n
-        logits = self.model.compute_logits(hidden[sample_rows]) if sample_rows else hidden.new_empty(0, 0)
+        logits = self.model.compute_logits(hidden[sample_rows], batch_invariant) if sample_rows else hidden.new_empty(0, 0)
         return StepLogits(sample_seqs, logits, prompt_rows)

@@ -1,0 +1,50 @@
+"""Batch-invariant numerics: scoring always, and every request under --deterministic."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from ladle import LLM, SamplingParams
+
+WORDS = ["alpha", "beta", "ticket", "failing", "integration", "billing", "server", "network"]
+
+
+def question(llm: LLM, text: str, i: int) -> str:
+    msg = f"{text}\n\nQuestion {i}: which team? A: billing B: technical\nAnswer with the letter of one option only."
+    return llm.tokenizer.apply_chat_template([{"role": "user", "content": msg}])
+
+
+@pytest.fixture(scope="module")
+def text() -> str:
+    rng = random.Random(0)
+    return " ".join(rng.choice(WORDS) for _ in range(300))
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_scoring_is_bit_identical_cold_cached_and_batched(smollm2_dir: Path, text: str, deterministic: bool) -> None:
+    # A small token budget forces chunked prefill, so chunk boundaries differ run to run.
+    llm = LLM(str(smollm2_dir), deterministic=deterministic, kv_cache_memory_gib=0.5, max_num_batched_tokens=200)
+    labels = [llm.tokenizer.encode(x)[0] for x in ("A", "B")]
+    score = SamplingParams(label_token_ids=labels)
+    chat = SamplingParams(temperature=0.0, max_tokens=6)
+    cold = llm.generate([question(llm, text, 0)], score)[0].outputs[0].label_logprobs
+    hits_before = llm.engine.kv.stats.hits
+    warm = llm.generate([question(llm, text, 0)], score)[0].outputs[0].label_logprobs
+    assert llm.engine.kv.stats.hits > hits_before  # really served from the cache
+    mixed = llm.generate([question(llm, text, 1), "Tell me a story. " * 30, question(llm, text, 0)],
+                         [score, chat, score])
+    assert cold == warm == mixed[2].outputs[0].label_logprobs
+
+
+def test_deterministic_generation_ignores_batch_neighbours(smollm2_dir: Path) -> None:
+    llm = LLM(str(smollm2_dir), deterministic=True, kv_cache_memory_gib=0.5)
+    params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=3)
+    prompt = "The three primary colours are"
+    alone = llm.generate([prompt], params)[0].outputs[0]
+    others = ["Once upon a time " * 8, "List five fruits:", "def add(a, b):"]
+    batched = llm.generate(others[:1] + [prompt] + others[1:], params)[1].outputs[0]
+    assert batched.token_ids == alone.token_ids
+    assert [lp.logprob for lp in batched.logprobs] == [lp.logprob for lp in alone.logprobs]
