@@ -31,7 +31,7 @@ def timed(label: str, sink: dict):
 
 def read_bandwidth_gbs(mib: int = 1024, repeats: int = 5) -> float:
     """Streaming read bandwidth: the best of a few sums over a buffer far larger than the caches."""
-    buf = torch.ones(mib * 2**20 // 4)
+    buf = torch.randn(mib * 2**20 // 4)  # random: identical pages could be merged by the host and read from cache
     buf.sum()
     best = min(_time(lambda: buf.sum()) for _ in range(repeats))
     return buf.numel() * 4 / best / 1e9

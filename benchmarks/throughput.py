@@ -67,15 +67,14 @@ def run_hf(model, work: list[tuple[list[int], int]], batch: int = 16) -> tuple[f
 
 def weight_bytes_per_token(llm: LLM) -> int:
     m = llm.engine.runner.model
-    per_layer = sum(t.numel() * t.element_size() for L in m.layers for t in (L.qkv, L.o_proj, L.gate_up, L.down))
-    return per_layer + m.lm_head.numel() * m.lm_head.element_size()
+    return sum(lin.nbytes for layer in m.layers for lin in layer.linears) + m.lm_head.nbytes
 
 
 def workload_flops(llm: LLM, work: list[tuple[list[int], int]]) -> float:
     """Matmul FLOPs of computing every prompt and output token once (linears + attention + lm_head)."""
     c = llm.engine.model_config
     m = llm.engine.runner.model
-    linear_params = sum(t.numel() for L in m.layers for t in (L.qkv, L.o_proj, L.gate_up, L.down))
+    linear_params = sum(lin.weight.numel() for layer in m.layers for lin in layer.linears)
     head = c.vocab_size * c.hidden_size
     attn_per_ctx = 4 * c.num_hidden_layers * c.num_attention_heads * c.head_dim  # QK^T and PV, per key
     total = 0.0

@@ -1,14 +1,21 @@
-"""Shared, slow-to-build fixtures: the converted default model and transformers' own GGUF load of it."""
+"""Shared, slow-to-build fixtures: the converted default model, transformers' own GGUF load of it,
+and one ladle server for the whole session."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
+from server_utils import MODEL, NUM_KV_BLOCKS, Server, ServerThread
 
+from ladle.config import EngineConfig
+from ladle.engine.async_engine import AsyncEngine
+from ladle.engine.engine import LLMEngine
 from ladle.model.loader import default_gguf_path, resolve_model_path
+from ladle.server.app import create_app
 
 
 @pytest.fixture(scope="session")
@@ -34,3 +41,19 @@ def hf_smollm2():
     model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     return model.eval(), tokenizer
+
+
+@pytest.fixture(scope="session")
+def async_engine() -> Iterator[AsyncEngine]:
+    """The default model with a small KV pool, shared by every server test."""
+    engine = AsyncEngine(LLMEngine(EngineConfig(num_kv_blocks=NUM_KV_BLOCKS)))
+    engine.start()
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="session")
+def server(async_engine: AsyncEngine) -> Iterator[Server]:
+    thread = ServerThread(create_app(async_engine, MODEL)).start()
+    yield Server(thread.url, async_engine)
+    thread.stop()

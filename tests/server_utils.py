@@ -1,7 +1,8 @@
 """A real ladle server for tests: uvicorn in a thread, on a socket bound to a free 127.0.0.1 port.
 
-The socket is bound before uvicorn starts, so there is no race for the port. The engine
-is the default model with a small KV pool; one server serves the whole session.
+The socket is bound before uvicorn starts, so there is no race for the port. The session's
+shared server (fixtures `async_engine` and `server`) is built in conftest.py; `own_server`
+starts a private one for tests that need other engine flags.
 """
 
 from __future__ import annotations
@@ -10,11 +11,12 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import httpx
-import pytest
 import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
 
 from ladle.config import EngineConfig
 from ladle.engine.async_engine import AsyncEngine
@@ -75,19 +77,30 @@ class Server:
             time.sleep(0.05)
 
 
-@pytest.fixture(scope="session")
-def async_engine() -> Iterator[AsyncEngine]:
-    engine = AsyncEngine(LLMEngine(EngineConfig(num_kv_blocks=NUM_KV_BLOCKS)))
-    engine.start()
-    yield engine
-    engine.shutdown()
+    def metrics(self) -> str:
+        return httpx.get(f"{self.url}/metrics").text
+
+    def scrape(self) -> dict[str, float]:
+        """/metrics parsed by prometheus_client: 'name{label=value,...}' -> value (model_name checked, left out)."""
+        out = {}
+        for family in text_string_to_metric_families(self.metrics()):
+            for s in family.samples:
+                assert s.labels.pop("model_name") == self.model, s
+                labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+                out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+        return out
 
 
-@pytest.fixture(scope="session")
-def server(async_engine: AsyncEngine) -> Iterator[Server]:
-    thread = ServerThread(create_app(async_engine, MODEL)).start()
-    yield Server(thread.url, async_engine)
-    thread.stop()
+@contextmanager
+def own_server(config: EngineConfig) -> Iterator[Server]:
+    """A private engine and server with these flags (the default model loads in ~2 s), stopped on exit."""
+    engine = AsyncEngine(LLMEngine(config))
+    thread = ServerThread(create_app(engine, MODEL)).start()
+    try:
+        yield Server(thread.url, engine)
+    finally:
+        thread.stop()
+        engine.shutdown()
 
 
 def free_port() -> int:

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from ladle.engine.admission import CompletionRate, QueueFullError
 from ladle.engine.async_engine import AsyncEngine, EngineStoppedError, RequestAbortedError, StepReport
 from ladle.engine.request import CompletionDelta, StepOutput
 from ladle.engine.sampling_params import SamplingParams
@@ -19,20 +20,22 @@ from ladle.errors import InvalidRequestError
 class ScriptedEngine:
     """Each step emits one token (its count) per live request; checks it is only ever driven by one thread."""
 
-    def __init__(self, fail_at_step: int | None = None):
+    def __init__(self, fail_at_step: int | None = None, max_waiting_requests: int | None = None):
+        self.config = SimpleNamespace(max_waiting_requests=max_waiting_requests)
         self.tokenizer = None
         self.max_model_len = 100
         self.model_config = SimpleNamespace(vocab_size=10)
         self.model_path = "scripted"
         self.requests: dict[str, list] = {}  # id -> [generated, max_tokens]
         self.scheduler = SimpleNamespace(running=[], waiting=[], num_preemptions=0)
-        self.kv = SimpleNamespace(num_blocks=8, num_free_blocks=8, usage=0.0)
+        self.kv = SimpleNamespace(num_blocks=8, num_free_blocks=8, usage=0.0, num_cached_blocks=0,
+                                  stats=SimpleNamespace(queries=0, hits=0, evictions=0))
         self.stats = SimpleNamespace(prompt_tokens=0, generation_tokens=0, steps=0)
         self.aborted: list[str] = []
         self.fail_at_step = fail_at_step
         self.threads: set[int] = set()
 
-    def add_request(self, request_id, prompt, params, priority=0):
+    def add_request(self, request_id, prompt, params, priority=0, arrival_time=None):
         self.threads.add(threading.get_ident())
         if not prompt:
             raise InvalidRequestError("the prompt is empty", param="prompt")
@@ -188,3 +191,43 @@ def test_a_failing_step_fails_its_requests_instead_of_hanging() -> None:
     asyncio.run(main())
     assert not ae.is_running
     ae.shutdown()
+
+
+def test_waiting_bound_refuses_at_once_with_a_retry_estimate() -> None:
+    engine = ScriptedEngine(max_waiting_requests=3)
+    ae = AsyncEngine(engine)
+
+    async def main():
+        # nothing runs yet: the engine thread is not started, so every submission stays pending
+        loop = asyncio.get_running_loop()
+        tasks = [loop.create_task(ae.add_request(f"r{i}", [1], SamplingParams(max_tokens=2))) for i in range(5)]
+        await asyncio.sleep(0)  # each task submits synchronously, then waits to be accepted
+        return tasks
+
+    async def run():
+        ae.start = lambda: None  # hold the thread back until every submission has been made
+        tasks = await main()
+        refused = [t for t in tasks if t.done() and isinstance(t.exception(), QueueFullError)]
+        assert len(refused) == 2 and ae.num_rejected == 2 and ae.num_waiting() == 3
+        err = refused[0].exception()
+        assert (err.num_waiting, err.limit, err.retry_after) == (3, 3, 1)  # nothing completed yet: 1 s
+        del ae.start
+        ae.start()
+        streams = [await t for t in tasks if t not in refused]
+        for s in streams:
+            async for _ in s:
+                pass
+        assert ae.num_waiting() == 0
+
+    asyncio.run(run())
+    ae.shutdown()
+
+
+def test_completion_rate_retry_after() -> None:
+    rate = CompletionRate()
+    assert rate.retry_after(5, now=100.0) == 1  # no data
+    for t in range(10):
+        rate.record(90.0 + t)  # 10 completions over the last 10 s: 1/s
+    assert rate.retry_after(5, now=100.0) == 5
+    assert rate.retry_after(1000, now=100.0) == CompletionRate.MAX_RETRY_S
+    assert rate.retry_after(5, now=1000.0) == 1  # stale

@@ -14,7 +14,7 @@ import time
 import httpx
 import openai
 import pytest
-from server_utils import MODEL, Server, ServerThread, async_engine, free_port, server  # noqa: F401
+from server_utils import MODEL, Server, ServerThread, free_port
 
 from ladle.server.app import create_app
 
@@ -239,7 +239,7 @@ def test_oversize_body_is_413(server: Server) -> None:
     assert r.status_code == 413
 
 
-def test_api_key(async_engine) -> None:  # noqa: F811
+def test_api_key(async_engine) -> None:
     thread = ServerThread(create_app(async_engine, MODEL, api_key="sekrit")).start()
     try:
         base = f"{thread.url}/v1"

@@ -13,10 +13,11 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from ladle.engine.admission import CompletionRate, QueueFullError
 from ladle.engine.engine import LLMEngine
-from ladle.engine.request import StepOutput
+from ladle.engine.request import Sequence, StepOutput
 from ladle.engine.sampling_params import SamplingParams
 
 log = logging.getLogger("ladle")
@@ -44,6 +45,10 @@ class EngineSnapshot:
     prompt_tokens: int = 0
     generation_tokens: int = 0
     steps: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of those, found cached
+    prefix_cache_evictions: int = 0  # blocks evicted from the prefix cache
+    num_cached_blocks: int = 0  # blocks in the prefix cache, referenced or not
 
 
 @dataclass(frozen=True)
@@ -54,6 +59,10 @@ class StepReport:
     started: float
     finished: float
     snapshot: EngineSnapshot
+    # the engine's live sequences of each request in `outputs` (timings, finish reasons):
+    # read them in the listener, never keep or change them
+    sequences: dict[str, list[Sequence]] = field(default_factory=dict)
+    aborted: list[str] = field(default_factory=list)  # requests aborted since the last report
 
 
 StepListener = Callable[[StepReport], None]
@@ -105,6 +114,7 @@ class _Add:
     priority: int
     stream: RequestStream
     accepted: asyncio.Future
+    arrival_time: float
 
 
 @dataclass
@@ -118,14 +128,22 @@ class AsyncEngine:
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.model_config.vocab_size
+        self.max_waiting_requests = engine.config.max_waiting_requests  # None: no bound
+        self.num_rejected = 0  # requests refused with QueueFullError
         self._cond = threading.Condition()
         self._ops: list[_Add | _Abort] = []
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._streams: dict[str, RequestStream] = {}  # engine thread only
-        self._listeners: list[StepListener] = []
+        self._sequences: dict[str, list[Sequence]] = {}  # engine thread only
+        self._aborted: list[str] = []  # engine thread only
+        self._listeners: list[StepListener] = []  # replaced, never mutated: the engine thread iterates it
         self._snapshot = EngineSnapshot()
         self._error: BaseException | None = None
+        # admission: submissions not yet in the engine (queued, or being applied), under _cond
+        self._num_pending = 0
+        self._num_applying = 0
+        self._completions = CompletionRate()  # under _cond
 
     # -- lifecycle ------------------------------------------------------------
 
@@ -153,10 +171,22 @@ class AsyncEngine:
 
     def add_step_listener(self, listener: StepListener) -> None:
         """Call `listener(StepReport)` on the engine thread after every step (keep it cheap)."""
-        self._listeners.append(listener)
+        self._listeners = [*self._listeners, listener]
+
+    def remove_step_listener(self, listener: StepListener) -> None:
+        self._listeners = [x for x in self._listeners if x is not listener]
 
     def snapshot(self) -> EngineSnapshot:
         return self._snapshot
+
+    def num_waiting(self) -> int:
+        """Sequences not yet running: in the engine's queue (as of the last step), or submitted
+        and not yet accepted."""
+        with self._cond:
+            return self._num_waiting()
+
+    def _num_waiting(self) -> int:
+        return self._num_pending + self._num_applying + self._snapshot.num_waiting
 
     # -- requests (event loop side) -------------------------------------------
 
@@ -165,13 +195,14 @@ class AsyncEngine:
         """Submit a request and wait until the engine has accepted it.
 
         Raises what LLMEngine.add_request raises (InvalidRequestError for a bad request)
-        before anything is streamed, or EngineStoppedError.
+        before anything is streamed, EngineStoppedError, or QueueFullError (at once, without
+        waiting) when `max_waiting_requests` requests are already waiting.
         """
         self.start()
         loop = asyncio.get_running_loop()
         stream = RequestStream(request_id, self, loop)
         accepted = loop.create_future()
-        self._submit(_Add(request_id, prompt, params, priority, stream, accepted))
+        self._submit(_Add(request_id, prompt, params, priority, stream, accepted, time.time()))
         try:
             stream.prompt_token_ids = await accepted
         except asyncio.CancelledError:
@@ -203,8 +234,17 @@ class AsyncEngine:
                 if isinstance(op, _Add):
                     raise EngineStoppedError("the engine is not running") from self._error
                 return
+            if isinstance(op, _Add):
+                self._admit()
+                self._num_pending += op.params.n  # sequences, as the scheduler counts them
             self._ops.append(op)
             self._cond.notify()
+
+    def _admit(self) -> None:  # under _cond
+        limit, waiting = self.max_waiting_requests, self._num_waiting()
+        if limit is not None and waiting >= limit:
+            self.num_rejected += 1
+            raise QueueFullError(waiting, limit, self._completions.retry_after(waiting - limit + 1))
 
     # -- the engine thread ----------------------------------------------------
 
@@ -215,13 +255,14 @@ class AsyncEngine:
                 while not (self._ops or self._stopping or engine.has_unfinished_requests()):
                     self._cond.wait()
                 ops, self._ops = self._ops, []
+                self._num_applying, self._num_pending = self._num_pending, 0
                 stopping = self._stopping
             if stopping:
                 self._fail_all(ops, EngineStoppedError("the engine was shut down"))
                 return
             self._apply(ops)
+            self._publish()
             if not engine.has_unfinished_requests():
-                self._snapshot = self._take_snapshot()
                 continue
             started = time.time()
             try:
@@ -233,29 +274,50 @@ class AsyncEngine:
                     ops, self._ops = self._ops, []
                 self._fail_all(ops, EngineStoppedError(f"engine step failed: {e!r}"))
                 return
+            now = time.time()
+            snapshot = self._publish(completed=sum(out.finished for out in outputs), at=now)
+            aborted, self._aborted = self._aborted, []
+            if self._listeners:  # before delivery: what a client has seen, metrics have counted
+                sequences = {out.request_id: self._sequences.get(out.request_id, []) for out in outputs}
+                self._notify(StepReport(outputs, started, now, snapshot, sequences, aborted))
             self._deliver(outputs)
-            self._snapshot = self._take_snapshot()
-            if self._listeners:
-                self._notify(StepReport(outputs, started, time.time(), self._snapshot))
+
+    def _publish(self, completed: int = 0, at: float = 0.0) -> EngineSnapshot:
+        """A fresh snapshot; the requests just applied now count as waiting through it."""
+        snapshot = self._take_snapshot()
+        with self._cond:
+            self._snapshot = snapshot
+            self._num_applying = 0
+            for _ in range(completed):
+                self._completions.record(at)
+        return snapshot
 
     def _apply(self, ops: list[_Add | _Abort]) -> None:
         for op in ops:
             if isinstance(op, _Abort):
                 stream = self._streams.pop(op.request_id, None)
-                if self.engine.abort_request(op.request_id) and stream is not None:
-                    _call_soon(stream._loop, stream._put, RequestAbortedError(f"request {op.request_id} was aborted"))
+                self._sequences.pop(op.request_id, None)
+                if self.engine.abort_request(op.request_id):
+                    self._aborted.append(op.request_id)
+                    if stream is not None:
+                        error = RequestAbortedError(f"request {op.request_id} was aborted")
+                        _call_soon(stream._loop, stream._put, error)
                 continue
             try:
-                ids = self.engine.add_request(op.request_id, op.prompt, op.params, op.priority)
+                ids = self.engine.add_request(op.request_id, op.prompt, op.params, op.priority,
+                                              arrival_time=op.arrival_time)
             except Exception as e:
                 _resolve(op.stream._loop, op.accepted, error=e)
                 continue
             self._streams[op.request_id] = op.stream
+            self._sequences[op.request_id] = self.engine.requests[op.request_id]
             _resolve(op.stream._loop, op.accepted, value=ids)
 
     def _deliver(self, outputs: list[StepOutput]) -> None:
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, StepOutput]]] = {}
         for out in outputs:
+            if out.finished:
+                self._sequences.pop(out.request_id, None)
             stream = self._streams.pop(out.request_id) if out.finished else self._streams.get(out.request_id)
             if stream is not None:
                 by_loop.setdefault(stream._loop, []).append((stream, out))
@@ -273,6 +335,7 @@ class AsyncEngine:
             except Exception:
                 log.exception("could not abort request %s", rid)
         self._streams.clear()
+        self._sequences.clear()
 
     def _take_snapshot(self) -> EngineSnapshot:
         e = self.engine
@@ -282,6 +345,8 @@ class AsyncEngine:
             num_free_blocks=e.kv.num_free_blocks, kv_cache_usage=e.kv.usage,
             num_preemptions=e.scheduler.num_preemptions, prompt_tokens=e.stats.prompt_tokens,
             generation_tokens=e.stats.generation_tokens, steps=e.stats.steps,
+            prefix_cache_queries=e.kv.stats.queries, prefix_cache_hits=e.kv.stats.hits,
+            prefix_cache_evictions=e.kv.stats.evictions, num_cached_blocks=e.kv.num_cached_blocks,
         )
 
     def _notify(self, report: StepReport) -> None:

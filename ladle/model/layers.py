@@ -14,14 +14,39 @@ import torch.nn.functional as F
 BATCH_INVARIANT_MIN_ROWS = 16
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           batch_invariant: bool = False) -> torch.Tensor:
-    rows = x.shape[0]
-    if batch_invariant and rows < BATCH_INVARIANT_MIN_ROWS:
-        padded = torch.zeros(BATCH_INVARIANT_MIN_ROWS, x.shape[1], dtype=x.dtype, device=x.device)
-        padded[:rows] = x
-        return F.linear(padded, weight, bias)[:rows]
-    return F.linear(x, weight, bias)
+class Linear:
+    """y = x W^T + b, with W kept as `parts` column slices laid out [parts, in, out/parts].
+
+    A batched matmul over the slices runs one slice per core. For the few rows of a
+    decode step, where MKL's matrix-vector path streams weights on one core only, this
+    reads them about twice as fast on two cores; for long prefills it costs nothing.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, parts: int | None = None):
+        out_features, in_features = weight.shape
+        parts = parts or torch.get_num_threads()
+        if parts < 1 or out_features % parts:
+            parts = 1
+        self.parts = parts
+        self.out_features = out_features
+        self.weight = weight.reshape(parts, out_features // parts, in_features).transpose(1, 2).contiguous()
+        self.bias = bias
+
+    def __call__(self, x: torch.Tensor, batch_invariant: bool = False) -> torch.Tensor:
+        rows = x.shape[0]
+        if batch_invariant and rows < BATCH_INVARIANT_MIN_ROWS:
+            padded = x.new_zeros(BATCH_INVARIANT_MIN_ROWS, x.shape[1])
+            padded[:rows] = x
+            return self(padded)[:rows]
+        if self.parts == 1:
+            y = x @ self.weight[0]
+        else:
+            y = torch.matmul(x.unsqueeze(0), self.weight).transpose(0, 1).reshape(rows, self.out_features)
+        return y if self.bias is None else y + self.bias
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.numel() * self.weight.element_size()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -13,20 +13,23 @@ import torch.nn.functional as F
 
 from ladle.model.attention import AttentionBackend, AttentionMetadata
 from ladle.model.config import ModelConfig
-from ladle.model.layers import RotaryEmbedding, linear, rms_norm, silu_and_mul
+from ladle.model.layers import Linear, RotaryEmbedding, rms_norm, silu_and_mul
 
 
 @dataclass
 class DecoderLayerWeights:
     input_norm: torch.Tensor
-    qkv: torch.Tensor  # q, k and v projections fused: [(H + 2*KVH) * D, hidden]
-    qkv_bias: torch.Tensor | None
+    qkv: Linear  # q, k and v projections fused: hidden -> (H + 2*KVH) * D
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
-    o_proj: torch.Tensor
+    o_proj: Linear
     post_attn_norm: torch.Tensor
-    gate_up: torch.Tensor  # gate and up projections fused: [2 * intermediate, hidden]
-    down: torch.Tensor
+    gate_up: Linear  # gate and up projections fused: hidden -> 2 * intermediate
+    down: Linear
+
+    @property
+    def linears(self) -> tuple[Linear, ...]:
+        return (self.qkv, self.o_proj, self.gate_up, self.down)
 
 
 def _layer_weights(w: dict[str, torch.Tensor], i: int, cfg: ModelConfig) -> DecoderLayerWeights:
@@ -37,14 +40,13 @@ def _layer_weights(w: dict[str, torch.Tensor], i: int, cfg: ModelConfig) -> Deco
         bias = torch.cat([w.pop(attn + f"{n}_proj.bias") for n in "qkv"])
     return DecoderLayerWeights(
         input_norm=w.pop(p + "input_layernorm.weight"),
-        qkv=torch.cat([w.pop(attn + f"{n}_proj.weight") for n in "qkv"]).contiguous(),
-        qkv_bias=bias,
+        qkv=Linear(torch.cat([w.pop(attn + f"{n}_proj.weight") for n in "qkv"]), bias),
         q_norm=w.pop(attn + "q_norm.weight") if cfg.qk_norm else None,
         k_norm=w.pop(attn + "k_norm.weight") if cfg.qk_norm else None,
-        o_proj=w.pop(attn + "o_proj.weight"),
+        o_proj=Linear(w.pop(attn + "o_proj.weight")),
         post_attn_norm=w.pop(p + "post_attention_layernorm.weight"),
-        gate_up=torch.cat([w.pop(p + "mlp.gate_proj.weight"), w.pop(p + "mlp.up_proj.weight")]).contiguous(),
-        down=w.pop(p + "mlp.down_proj.weight"),
+        gate_up=Linear(torch.cat([w.pop(p + "mlp.gate_proj.weight"), w.pop(p + "mlp.up_proj.weight")])),
+        down=Linear(w.pop(p + "mlp.down_proj.weight")),
     )
 
 
@@ -57,7 +59,7 @@ class LlamaForCausalLM:
         self.layers = [_layer_weights(w, i, cfg) for i in range(cfg.num_hidden_layers)]
         self.norm = w.pop("model.norm.weight")
         lm_head = w.pop("lm_head.weight", None)
-        self.lm_head = self.embed if cfg.tie_word_embeddings or lm_head is None else lm_head
+        self.lm_head = Linear(self.embed if cfg.tie_word_embeddings or lm_head is None else lm_head)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         self.q_size = cfg.num_attention_heads * cfg.head_dim
         self.kv_size = cfg.num_key_value_heads * cfg.head_dim
@@ -70,14 +72,14 @@ class LlamaForCausalLM:
         for i, layer in enumerate(self.layers):
             h = h + self._attention(i, layer, rms_norm(h, layer.input_norm, self.cfg.rms_norm_eps), positions, meta)
             x = rms_norm(h, layer.post_attn_norm, self.cfg.rms_norm_eps)
-            h = h + linear(silu_and_mul(linear(x, layer.gate_up, None, inv)), layer.down, None, inv)
+            h = h + layer.down(silu_and_mul(layer.gate_up(x, inv)), inv)
         return rms_norm(h, self.norm, self.cfg.rms_norm_eps)
 
     def _attention(self, i: int, layer: DecoderLayerWeights, x: torch.Tensor, positions: torch.Tensor,
                    meta: AttentionMetadata) -> torch.Tensor:
         cfg = self.cfg
         t = x.shape[0]
-        qkv = linear(x, layer.qkv, layer.qkv_bias, meta.batch_invariant)
+        qkv = layer.qkv(x, meta.batch_invariant)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, cfg.num_attention_heads, cfg.head_dim)
         k = k.view(t, cfg.num_key_value_heads, cfg.head_dim)
@@ -88,8 +90,8 @@ class LlamaForCausalLM:
         q, k = self.rotary(positions, q, k)
         self.attention.write_kv(i, k, v, meta)
         o = self.attention.attend(i, q, k, v, meta)
-        return linear(o, layer.o_proj, None, meta.batch_invariant)
+        return layer.o_proj(o, meta.batch_invariant)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor, batch_invariant: bool = False) -> torch.Tensor:
-        return linear(hidden, self.lm_head, None, batch_invariant)
+        return self.lm_head(hidden, batch_invariant)

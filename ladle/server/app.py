@@ -8,6 +8,7 @@ from typing import AsyncIterator
 from fastapi import FastAPI
 
 from ladle import __version__
+from ladle.decisions import routes as decision_routes
 from ladle.engine.async_engine import AsyncEngine
 from ladle.server import openai_routes, utility_routes
 from ladle.server.context import ServerContext
@@ -24,14 +25,19 @@ def create_app(engine: AsyncEngine, served_model_name: str, api_key: str | None 
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        engine.add_step_listener(ctx.metrics.on_step)
         engine.start()
-        yield
+        try:
+            yield
+        finally:
+            engine.remove_step_listener(ctx.metrics.on_step)
 
     app = FastAPI(title="ladle", version=__version__, lifespan=lifespan)
-    app.state.ctx = ServerContext(engine, served_model_name, model_root=str(engine.engine.model_path))
+    app.state.ctx = ctx = ServerContext(engine, served_model_name, model_root=str(engine.engine.model_path))
     install_error_handlers(app)
     app.include_router(openai_routes.router)
     app.include_router(utility_routes.router)
+    app.include_router(decision_routes.router)
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)  # outermost: no body is read before the key

@@ -12,6 +12,7 @@ from ladle.config import EngineConfig
 from ladle.engine.async_engine import AsyncEngine
 from ladle.server.errors import APIError
 from ladle.server.logprobs import TokenNames
+from ladle.server.metrics import Metrics
 
 DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
 
@@ -23,9 +24,11 @@ class ServerContext:
     model_root: str | None = None
     created: int = field(default_factory=lambda: int(time.time()))
     names: TokenNames = field(init=False)
+    metrics: Metrics = field(init=False)
 
     def __post_init__(self) -> None:
         self.names = TokenNames(self.engine.tokenizer)
+        self.metrics = Metrics(self.engine, self.model_name)
 
     def check_model(self, model: str | None) -> None:
         """Requests may omit the model (as vLLM allows) or must name the one served."""

@@ -12,13 +12,15 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ladle.engine.admission import QueueFullError
 from ladle.engine.async_engine import EngineStoppedError
 from ladle.errors import InvalidRequestError
 
 log = logging.getLogger("ladle")
 
 _TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-          405: "invalid_request_error", 413: "invalid_request_error", 503: "server_error"}
+          405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_exceeded",
+          503: "server_error"}
 
 # pydantic names union members in error locations ("str", "list[TextPart]"): not fields
 _UNION_TAGS = {"str", "int", "float", "bool", "none", "list", "dict"}
@@ -28,9 +30,10 @@ class APIError(Exception):
     """Raise anywhere in a route to answer with this status and OpenAI error body."""
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type: str | None = None):
+                 type: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers
         self.type = type or _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
 
 
@@ -41,8 +44,8 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
 
 
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
-                   type: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(status, message, param, code, type), status_code=status)
+                   type: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param, code, type), status_code=status, headers=headers)
 
 
 def api_error_of(exc: BaseException) -> APIError:
@@ -56,6 +59,8 @@ def api_error_of(exc: BaseException) -> APIError:
         return validation_error(exc.errors())
     if isinstance(exc, EngineStoppedError):
         return APIError(503, str(exc), code="engine_unavailable")
+    if isinstance(exc, QueueFullError):
+        return APIError(429, str(exc), code="rate_limit_exceeded", headers={"Retry-After": str(exc.retry_after)})
     log.error("internal error while serving a request", exc_info=exc)
     return APIError(500, "internal server error", type="server_error", code="internal_error")
 
@@ -94,7 +99,7 @@ def _param(loc: tuple | list) -> str | None:
 def install_error_handlers(app: FastAPI) -> None:
     async def on_api_error(request: Request, exc: Exception) -> JSONResponse:
         e = api_error_of(exc)
-        return error_response(e.status, e.message, e.param, e.code, e.type)
+        return error_response(e.status, e.message, e.param, e.code, e.type, e.headers)
 
     async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         if exc.status_code == 404 and exc.detail == "Not Found":
@@ -106,6 +111,6 @@ def install_error_handlers(app: FastAPI) -> None:
         return JSONResponse(error_body(exc.status_code, message), status_code=exc.status_code, headers=exc.headers)
 
     for kind in (APIError, InvalidRequestError, ValidationError, RequestValidationError, EngineStoppedError,
-                 Exception):
+                 QueueFullError, Exception):
         app.add_exception_handler(kind, on_api_error)
     app.add_exception_handler(StarletteHTTPException, on_http_error)

@@ -1,4 +1,4 @@
-"""Everything besides generation: models, tokenize/detokenize (vLLM's shapes), health, version, stats."""
+"""Everything besides generation: models, tokenize/detokenize (vLLM's shapes), health, version, stats, metrics."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ from dataclasses import asdict
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from ladle import __version__
 from ladle.errors import InvalidRequestError
@@ -84,5 +85,11 @@ async def version() -> Response:
 
 @router.get("/v1/engine/stats")
 async def engine_stats(request: Request) -> Response:
-    """Scheduler and KV pool state after the last step (until GET /metrics exists)."""
+    """Scheduler and KV pool state after the last step (GET /metrics has the same, for Prometheus)."""
     return JSONResponse(asdict(get_context(request).engine.snapshot()))
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    """Prometheus text format, with vLLM's metric names."""
+    return Response(get_context(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)

@@ -1,0 +1,82 @@
+"""Questions in, label scores out: render, check labels, score, count usage. Shared by every dialect."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any
+
+from ladle.decisions import scoring
+from ladle.decisions.answers import LabelScores
+from ladle.decisions.labels import TWO_LETTERS, LabelChecker, base_labels
+from ladle.decisions.question import Question
+from ladle.decisions.render import question_message, render_prompt, template_kwargs
+from ladle.engine.async_engine import AsyncEngine
+from ladle.model.tokenizer import Tokenizer
+
+
+@dataclass
+class Prepared:
+    question: Question
+    labels: list[str]
+    prompt_ids: list[int]
+    label_ids: list[int]
+
+
+@dataclass
+class Decided:
+    prepared: Prepared
+    scores: LabelScores
+    cached_tokens: int
+
+    @property
+    def question(self) -> Question:
+        return self.prepared.question
+
+
+@dataclass
+class Decisions:
+    answers: list[Decided]  # in question order
+    prompt_tokens: int
+    cached_tokens: int
+    cache_write_tokens: int  # prompt tokens computed into full prefix-cache blocks
+
+
+def prepare(tokenizer: Tokenizer, max_model_len: int, input_text: str, questions: list[Question],
+            kwargs: dict[str, Any]) -> list[Prepared]:
+    """Render and tokenize every question; raises InvalidRequestError naming the question at fault."""
+    checker = LabelChecker(tokenizer)
+    out = []
+    for q in questions:
+        labels = base_labels(q)
+        if labels is None:  # more than 26 options: pick two-letter labels at this template's answer position
+            probe = render_prompt(tokenizer, question_message(input_text, q, TWO_LETTERS[: len(q.options)]), kwargs, q)
+            labels = checker.two_letter_labels(q, probe, tokenizer.encode(probe))
+        prompt = render_prompt(tokenizer, question_message(input_text, q, labels), kwargs, q)
+        ids = tokenizer.encode(prompt)
+        if len(ids) >= max_model_len:
+            raise q.refuse(f"the prompt is {len(ids)} tokens, and this model's context holds {max_model_len} "
+                           "(prompt and answer token); decisions never truncate: shorten the input",
+                           code="context_length_exceeded")
+        out.append(Prepared(q, labels, ids, checker.check(q, prompt, ids, labels)))
+    return out
+
+
+async def decide(engine: AsyncEngine, input_text: str, questions: list[Question], temperature: float = 1.0,
+                 chat_template_kwargs: dict[str, Any] | None = None) -> Decisions:
+    kwargs = template_kwargs(chat_template_kwargs)
+    # Rendering and tokenizing hundreds of prompts would stall the event loop: do it off it.
+    prepared = await asyncio.to_thread(prepare, engine.tokenizer, engine.max_model_len, input_text, questions,
+                                       kwargs)
+    results = await scoring.score(engine, [scoring.ScoreJob(p.prompt_ids, p.label_ids) for p in prepared])
+    answers = [Decided(p, LabelScores.of(r.label_logprobs, temperature), r.num_cached_tokens)
+               for p, r in zip(prepared, results)]
+    return Decisions(answers, *usage(engine, [(r.num_prompt_tokens, r.num_cached_tokens) for r in results]))
+
+
+def usage(engine: AsyncEngine, counts: list[tuple[int, int]]) -> tuple[int, int, int]:
+    """(prompt tokens, cached tokens, cache write tokens) over (prompt tokens, cached tokens) pairs."""
+    config = engine.engine.config
+    bs = config.block_size
+    written = sum(max(0, n // bs * bs - c) for n, c in counts) if config.enable_prefix_caching else 0
+    return sum(n for n, _ in counts), sum(c for _, c in counts), written

@@ -1,0 +1,71 @@
+"""POST /v1/decisions (reference and OpenAI dialects), /v1/score and /v1/systemone."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+from pydantic import BaseModel
+
+from ladle.decisions import openai_dialect, reference, score, systemone
+from ladle.decisions.protocol import DecisionsRequest, ScoreRequest, parse
+from ladle.server.context import get_context
+from ladle.server.errors import APIError
+from ladle.server.openai_routes import json_response
+from ladle.server.streaming import ClientDisconnected, unless_disconnected
+
+router = APIRouter()
+
+
+def _json(raw: bytes) -> Any:
+    try:
+        return json.loads(raw)
+    except ValueError as e:
+        raise APIError(400, f"the request body is not valid JSON: {e}") from None
+
+
+def is_openai_dialect(data: Any) -> bool:
+    """OpenAI questions require `instructions`, which the reference dialect refuses."""
+    questions = data.get("questions") if isinstance(data, dict) else None
+    return isinstance(questions, list) and any(isinstance(q, dict) and "instructions" in q for q in questions)
+
+
+async def _answer(request: Request, work: Awaitable[BaseModel]) -> Response:
+    try:
+        return json_response(await unless_disconnected(request, work))
+    except ClientDisconnected:
+        return Response(status_code=499)
+
+
+@router.post("/v1/decisions")
+async def decisions(request: Request) -> Response:
+    ctx = get_context(request)
+    raw = await request.body()
+    if is_openai_dialect(_json(raw)):
+        oreq = parse(openai_dialect.OpenAIDecisionRequest, raw)
+        ctx.check_model(oreq.model)
+        return await _answer(request, openai_dialect.handle(ctx.engine, ctx.model_name, oreq))
+    req = parse(DecisionsRequest, raw)
+    ctx.check_model(req.model)
+    return await _answer(request, reference.handle(ctx.engine, ctx.model_name, req))
+
+
+@router.post("/v1/score")
+async def score_route(request: Request) -> Response:
+    ctx = get_context(request)
+    req = parse(ScoreRequest, await request.body())
+    ctx.check_model(req.model)
+    return await _answer(request, score.handle(ctx.engine, ctx.model_name, req))
+
+
+@router.post("/v1/systemone")
+async def systemone_route(request: Request) -> Response:
+    ctx = get_context(request)
+    raw = await request.body()
+    systemone.refuse_decisions_fields(_json(raw))
+    req = parse(systemone.SystemOneRequest, raw)
+    ctx.check_model(req.model)
+    return await _answer(request, systemone.handle(ctx.engine, ctx.model_name, req))
