@@ -142,3 +142,14 @@ def test_lpm_policy_runs_the_longest_cached_prefix_first(tiny_llama: Path) -> No
     while eng.has_unfinished_requests():
         eng.step()
     assert_no_leak(llm)
+
+
+def test_prompt_logprobs_bypass_the_cache(tiny_llama: Path) -> None:
+    llm = LLM(str(tiny_llama), block_size=8)
+    prompt = ids(random.Random(6), 40)
+    params = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=1)
+    first = llm.generate([prompt], params)[0].prompt_logprobs
+    second = llm.generate([prompt], params)[0].prompt_logprobs  # its prefix is cached by now
+    assert len(first) == len(second) == len(prompt) and first[0] is None
+    assert [lp.logprob for lp in first[1:]] == [lp.logprob for lp in second[1:]]
+    assert_no_leak(llm)

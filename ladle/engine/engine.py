@@ -196,13 +196,15 @@ class LLMEngine:
                                label_logprobs=labels)
 
     def _record_prompt_logprobs(self, seq: Sequence, first: int, logits: torch.Tensor) -> None:
+        """Row i predicts prompt token first + i + 1; rows already recorded (a recompute
+        after preemption) are skipped."""
         logprobs = torch.log_softmax(logits.float(), dim=-1)
-        if first == 0:
+        if not seq.prompt_logprobs:
             seq.prompt_logprobs.append(None)  # nothing predicts the first token
         k = seq.params.prompt_logprobs or 0
         for i in range(logits.shape[0]):
             nxt = first + i + 1
-            if nxt < seq.num_prompt_tokens:
+            if nxt < seq.num_prompt_tokens and len(seq.prompt_logprobs) == nxt:
                 seq.prompt_logprobs.append(token_logprob(logprobs[i], seq.token_ids[nxt], k))
 
     def _request_output(self, request_id: str, deltas: list[CompletionDelta]) -> StepOutput:
@@ -211,8 +213,9 @@ class LLMEngine:
         if finished:
             del self.requests[request_id]
         first = seqs[0]
-        first_output = all(len(s.output_token_ids) <= 1 for s in seqs) and any(d.token_ids for d in deltas)
+        prompt_logprobs = None
+        if first.params.prompt_logprobs is not None and not first.prompt_logprobs_sent:
+            prompt_logprobs, first.prompt_logprobs_sent = first.prompt_logprobs, True
         return StepOutput(request_id=request_id, prompt_token_ids=first.prompt_token_ids, deltas=deltas,
                           finished=finished, num_cached_tokens=first.num_cached_tokens,
-                          prompt_logprobs=first.prompt_logprobs if first_output and first.params.prompt_logprobs is not None else None,
-                          arrival_time=first.arrival_time)
+                          prompt_logprobs=prompt_logprobs, arrival_time=first.arrival_time)

@@ -98,8 +98,8 @@ class KVCacheManager:
     def match_prefix(self, seq: Sequence) -> int:
         """Start a fresh sequence on its longest cached prefix; returns the tokens skipped."""
         assert not seq.block_table and seq.num_computed_tokens == 0
-        if self.cache is None:
-            return 0
+        if self.cache is None or seq.params.prompt_logprobs is not None:
+            return 0  # prompt logprobs need every prompt position computed
         path = self.cache.match(seq.token_ids, self._max_match_blocks(seq))
         for node in path:
             self._ref(node.block_id)

@@ -57,6 +57,7 @@ class Sequence:
     text: "OutputTextTracker | None" = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
+    prompt_logprobs_sent: bool = False
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
