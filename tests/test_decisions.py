@@ -1,16 +1,23 @@
-"""Typed decisions over HTTP: /v1/decisions (both dialects), /v1/score and /v1/systemone, on the session server."""
+"""Typed decisions over HTTP: /v1/decisions (both dialects), /v1/score and /v1/systemone.
+
+A private server: decisions fill the prefix cache with the chat template's head, and tests of
+the session server count on finding it cold.
+"""
 
 from __future__ import annotations
 
 import copy
 import itertools
+import json
 import math
+from collections.abc import Iterator
 
 import httpx
 import openai
 import pytest
-from server_utils import MODEL, Server
+from server_utils import MODEL, Server, own_server
 
+from ladle.config import EngineConfig
 from ladle.decisions import scoring
 
 TICKET = "The integration keeps failing."
@@ -21,6 +28,12 @@ SEVERITY = {"id": "severity", "type": "score", "question": "How severe is the pr
 URGENT = {"id": "urgent", "type": "yes_no", "question": "The customer needs an answer today.",
           "yes": "they say it is urgent"}
 _inputs = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[Server]:
+    with own_server(EngineConfig(num_kv_blocks=1024)) as s:
+        yield s
 
 
 def fresh_input() -> str:
@@ -157,6 +170,12 @@ def test_refusals_name_the_field(server: Server, body: dict, param: str, words: 
     assert err["param"] == param and words in err["message"]
 
 
+def test_non_finite_temperature_is_refused(server: Server) -> None:
+    body = json.dumps({"input": TICKET, "questions": [TEAM], "temperature": math.inf})  # "Infinity"
+    r = httpx.post(f"{server.base_url}/decisions", headers={"content-type": "application/json"}, content=body)
+    assert r.status_code == 400 and "temperature" in r.json()["error"]["message"]
+
+
 def test_too_many_questions_and_unknown_model(server: Server) -> None:
     many = [{**URGENT, "id": f"q{i}"} for i in range(401)]
     assert _refusal(server, "decisions", {"input": TICKET, "questions": many})["param"] == "questions"
@@ -196,10 +215,11 @@ def test_score_replays_a_decision(server: Server) -> None:
 def test_cold_and_warm_prefix_agree_within_1e6(server: Server) -> None:
     request = {"input": fresh_input() + " The sync job times out. " * 8, "questions": [TEAM, SEVERITY, URGENT]}
     cold, warm = decide(server, **request), decide(server, **request)
-    assert warm["usage"]["prompt_tokens_details"]["cached_tokens"] > cold["usage"]["prompt_tokens_details"]["cached_tokens"]
+    cached = [b["usage"]["prompt_tokens_details"]["cached_tokens"] for b in (cold, warm)]
+    assert cached[1] > cached[0]
     for key, answer in cold["answers"].items():
-        for p, q in zip(answer["probabilities"].values(), warm["answers"][key]["probabilities"].values()):
-            assert abs(p - q) < 1e-6
+        expected = list(answer["probabilities"].values())
+        assert list(warm["answers"][key]["probabilities"].values()) == pytest.approx(expected, abs=1e-6)
 
 
 def test_score_endpoint(server: Server) -> None:
@@ -274,7 +294,7 @@ def test_openai_sdk_decisions_create(client: openai.OpenAI) -> None:
     assert score.score == pytest.approx(sum(p.value * p.probability for p in score.probabilities))
     u = d.usage
     assert u.output_tokens == 0 and u.output_tokens_details.reasoning_tokens == 0
-    assert u.total_tokens == u.input_tokens > u.input_tokens_details.cached_tokens > 0
+    assert u.total_tokens == u.input_tokens > u.input_tokens_details.cached_tokens >= 0
 
 
 def test_openai_message_input_reads_as_the_string(client: openai.OpenAI) -> None:
@@ -287,6 +307,15 @@ def test_openai_message_input_reads_as_the_string(client: openai.OpenAI) -> None
         {"role": "developer", "content": "Support inbox."},
         {"role": "user", "content": [{"type": "input_json", "data": {"ticket": TICKET}}]}])
     assert 0.0 <= chat.answers[0].probability <= 1.0
+
+
+def test_openai_choice_past_26_gets_two_letter_labels(client: openai.OpenAI) -> None:
+    values = [f"queue {i}" for i in range(30)]
+    d = client.decisions.create(model=MODEL, input=TICKET, questions=[
+        {"type": "choice", "instructions": "Which queue gets this ticket?", "choices": [{"value": v} for v in values]}])
+    [answer] = d.answers
+    assert [p.value for p in answer.probabilities] == values and answer.choice in values
+    assert math.fsum(p.probability for p in answer.probabilities) == pytest.approx(1.0)
 
 
 OPENAI_PREDICATE = {"type": "predicate", "instructions": "The customer is angry."}

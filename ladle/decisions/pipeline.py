@@ -27,7 +27,6 @@ class Prepared:
 class Decided:
     prepared: Prepared
     scores: LabelScores
-    cached_tokens: int
 
     @property
     def question(self) -> Question:
@@ -69,8 +68,7 @@ async def decide(engine: AsyncEngine, input_text: str, questions: list[Question]
     prepared = await asyncio.to_thread(prepare, engine.tokenizer, engine.max_model_len, input_text, questions,
                                        kwargs)
     results = await scoring.score(engine, [scoring.ScoreJob(p.prompt_ids, p.label_ids) for p in prepared])
-    answers = [Decided(p, LabelScores.of(r.label_logprobs, temperature), r.num_cached_tokens)
-               for p, r in zip(prepared, results)]
+    answers = [Decided(p, LabelScores.of(r.label_logprobs, temperature)) for p, r in zip(prepared, results)]
     return Decisions(answers, *usage(engine, [(r.num_prompt_tokens, r.num_cached_tokens) for r in results]))
 
 

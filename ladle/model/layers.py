@@ -8,6 +8,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ladle.model import kernels
+
 
 # fp32 matmuls on CPU (MKL) give a row the same bits whatever else shares the call
 # once a call has at least this many rows; smaller calls take other kernels.
@@ -15,41 +17,54 @@ BATCH_INVARIANT_MIN_ROWS = 16
 
 
 class Linear:
-    """y = x W^T + b, with W kept as `parts` column slices laid out [parts, in, out/parts].
+    """y = x W^T + b, with W kept as it comes, [out, in] and contiguous.
 
-    A batched matmul over the slices runs one slice per core. For the few rows of a
-    decode step, where MKL's matrix-vector path streams weights on one core only, this
-    reads them about twice as fast on two cores; for long prefills it costs nothing.
+    Up to `kernels.MAX_ROWS` rows (decode steps) go to the native kernel, which streams
+    each weight row once on all cores; MKL's small-row paths read weights at half that
+    speed. Larger batches, and batch-invariant calls, stay on MKL via F.linear.
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, parts: int | None = None):
-        out_features, in_features = weight.shape
-        parts = parts or torch.get_num_threads()
-        if parts < 1 or out_features % parts:
-            parts = 1
-        self.parts = parts
-        self.out_features = out_features
-        self.weight = weight.reshape(parts, out_features // parts, in_features).transpose(1, 2).contiguous()
-        self.bias = bias
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        self.weight = weight.contiguous()
+        self.bias = None if bias is None else bias.contiguous()
+        self.out_features, self.in_features = weight.shape
+        fp32_cpu = [t.dtype == torch.float32 and t.device.type == "cpu" for t in (weight, bias) if t is not None]
+        self._native_ok = all(fp32_cpu)
 
     def __call__(self, x: torch.Tensor, batch_invariant: bool = False) -> torch.Tensor:
         rows = x.shape[0]
-        if batch_invariant and rows < BATCH_INVARIANT_MIN_ROWS:
-            padded = x.new_zeros(BATCH_INVARIANT_MIN_ROWS, x.shape[1])
-            padded[:rows] = x
-            return self(padded)[:rows]
-        if self.parts == 1:
-            y = x @ self.weight[0]
-        else:
-            y = torch.matmul(x.unsqueeze(0), self.weight).transpose(0, 1).reshape(rows, self.out_features)
-        return y if self.bias is None else y + self.bias
+        if batch_invariant:
+            if rows < BATCH_INVARIANT_MIN_ROWS:
+                padded = x.new_zeros(BATCH_INVARIANT_MIN_ROWS, x.shape[1])
+                padded[:rows] = x
+                return F.linear(padded, self.weight, self.bias)[:rows]
+        elif rows <= kernels.MAX_ROWS and self._native_ok and self._native_input(x):
+            native = kernels.native_kernels()
+            if native is not None:
+                return native.linear(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+    def _native_input(self, x: torch.Tensor) -> bool:
+        return _native_operand(x) and x.shape[1] == self.in_features
 
     @property
     def nbytes(self) -> int:
+        """Weight bytes one call reads."""
         return self.weight.numel() * self.weight.element_size()
 
 
+def _native_operand(x: torch.Tensor, dim: int = 2) -> bool:
+    # The kernels trust their operands (raw pointers), so anything unusual goes to torch.
+    return x.dtype == torch.float32 and x.is_cpu and x.dim() == dim and x.is_contiguous() and not x.requires_grad
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Native for any number of rows, not just decode steps: a row then gets the same bits
+    # whatever its batch, as batch-invariant mode needs.
+    if _native_operand(x) and _native_operand(weight, dim=1) and weight.shape[0] == x.shape[1]:
+        native = kernels.native_kernels()
+        if native is not None:  # 2 us against F.rms_norm's 7 on a decode step's row
+            return native.rms_norm(x, weight, eps)
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
@@ -95,12 +110,18 @@ class RotaryEmbedding:
         self.cos = freqs.cos()
         self.sin = freqs.sin()
 
-    def __call__(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D/2]
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin for `positions`, [T, 1, D] each: looked up once per step for all layers."""
+        cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        return torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin for x [T, heads, D] and `tables`' cos, sin.
+
+    The sign of rotate_half lives in the table, so this is transformers' arithmetic bit
+    for bit in three elementwise ops.
+    """
     x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return x * cos + torch.cat((x2, x1), dim=-1) * sin

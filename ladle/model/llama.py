@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from ladle.model.attention import AttentionBackend, AttentionMetadata
 from ladle.model.config import ModelConfig
-from ladle.model.layers import Linear, RotaryEmbedding, rms_norm, silu_and_mul
+from ladle.model.layers import Linear, RotaryEmbedding, apply_rotary, rms_norm, silu_and_mul
 
 
 @dataclass
@@ -69,25 +69,28 @@ class LlamaForCausalLM:
         """input_ids, positions: [T]. Returns the final normed hidden states [T, hidden]."""
         inv = meta.batch_invariant
         h = F.embedding(input_ids, self.embed)
+        rope = self.rotary.tables(positions)
         for i, layer in enumerate(self.layers):
-            h = h + self._attention(i, layer, rms_norm(h, layer.input_norm, self.cfg.rms_norm_eps), positions, meta)
+            h = h + self._attention(i, layer, rms_norm(h, layer.input_norm, self.cfg.rms_norm_eps), rope, meta)
             x = rms_norm(h, layer.post_attn_norm, self.cfg.rms_norm_eps)
             h = h + layer.down(silu_and_mul(layer.gate_up(x, inv)), inv)
         return rms_norm(h, self.norm, self.cfg.rms_norm_eps)
 
-    def _attention(self, i: int, layer: DecoderLayerWeights, x: torch.Tensor, positions: torch.Tensor,
+    def _attention(self, i: int, layer: DecoderLayerWeights, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                    meta: AttentionMetadata) -> torch.Tensor:
         cfg = self.cfg
         t = x.shape[0]
+        heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         qkv = layer.qkv(x, meta.batch_invariant)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, cfg.num_attention_heads, cfg.head_dim)
-        k = k.view(t, cfg.num_key_value_heads, cfg.head_dim)
-        v = v.view(t, cfg.num_key_value_heads, cfg.head_dim)
-        if layer.q_norm is not None:
-            q = rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
-            k = rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
-        q, k = self.rotary(positions, q, k)
+        v = qkv[:, self.q_size + self.kv_size :].view(t, kv_heads, cfg.head_dim)
+        if layer.q_norm is None:  # q and k side by side: rotate them in one go
+            qk = apply_rotary(qkv[:, : self.q_size + self.kv_size].view(t, heads + kv_heads, cfg.head_dim), *rope)
+            q, k = qk.split([heads, kv_heads], dim=1)
+        else:
+            q = rms_norm(qkv[:, : self.q_size].view(t, heads, cfg.head_dim), layer.q_norm, cfg.rms_norm_eps)
+            k = rms_norm(qkv[:, self.q_size : self.q_size + self.kv_size].view(t, kv_heads, cfg.head_dim),
+                         layer.k_norm, cfg.rms_norm_eps)
+            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         self.attention.write_kv(i, k, v, meta)
         o = self.attention.attend(i, q, k, v, meta)
         return layer.o_proj(o, meta.batch_invariant)

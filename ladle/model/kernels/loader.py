@@ -1,0 +1,152 @@
+"""Builds the C++ kernels next to this file into one library and calls them through ctypes.
+
+Compiled with torch.utils.cpp_extension on first use (about a second: the sources
+include no torch headers) into the ladle cache. LADLE_NATIVE_KERNELS=0 turns them off;
+any failure to build or load logs one warning and leaves callers on their torch paths.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+MAX_ROWS = 8  # rows (tokens) a decode step sends to the kernels; larger batches stay on torch
+_SOURCES = sorted(Path(__file__).parent.glob("*.cpp"))
+_lock = threading.Lock()
+_loaded = False
+_kernels: NativeKernels | None = None
+
+
+class NativeKernels:
+    """Typed entry points into the library. Operands must be contiguous float32 CPU tensors:
+    the caller checks, the kernels trust."""
+
+    def __init__(self, lib: ctypes.CDLL):
+        ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+        self._linear = lib.ladle_small_linear
+        self._linear.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]
+        self._linear.restype = None
+        self._rms_norm = lib.ladle_rms_norm
+        self._rms_norm.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_float, ctypes.c_int]
+        self._rms_norm.restype = None
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x[M, in] @ weight[out, in]^T (+ bias), each weight row read once for all M rows."""
+        rows, k = x.shape
+        n = weight.shape[0]
+        y = torch.empty(rows, n, dtype=torch.float32)
+        self._linear(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(),
+                     rows, k, n, torch.get_num_threads())
+        return y
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """RMSNorm over the last dim of a 2-D x."""
+        y = torch.empty_like(x)
+        self._rms_norm(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.shape[0], x.shape[1], eps,
+                       torch.get_num_threads())
+        return y
+
+
+def enabled() -> bool:
+    return os.environ.get("LADLE_NATIVE_KERNELS", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def native_kernels() -> NativeKernels | None:
+    """The kernels, built on the first call; None if disabled or they could not be built."""
+    global _loaded, _kernels
+    if not _loaded:
+        with _lock:
+            if not _loaded:
+                _kernels = _load() if enabled() else None
+                _loaded = True
+    return _kernels
+
+
+def reset() -> None:
+    """Forget the loaded kernels, so the next call re-reads LADLE_NATIVE_KERNELS (tests)."""
+    global _loaded, _kernels
+    with _lock:
+        _loaded, _kernels = False, None
+
+
+def build_dir() -> Path:
+    """Under the ladle cache, per torch version and CPU: the library is built for the host's instruction set."""
+    root = os.environ.get("LADLE_CACHE_DIR")
+    base = Path(root).expanduser() if root else Path.home() / ".cache" / "ladle"
+    return base / "kernels" / f"torch{torch.__version__}-{_cpu_tag()}"
+
+
+def _cpu_tag() -> str:
+    flags = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        pass
+    return hashlib.sha1(f"{platform.machine()} {flags}".encode()).hexdigest()[:12]
+
+
+def _load() -> NativeKernels | None:
+    try:
+        start = time.perf_counter()
+        kernels = NativeKernels(ctypes.CDLL(_build()))
+        _check(kernels)
+        logger.info("native kernels ready in %.1f s", time.perf_counter() - start)
+        return kernels
+    except Exception as e:  # no compiler, no ninja, a wrong answer: torch still works
+        first_line = (str(e).strip().splitlines() or [""])[0]
+        logger.warning("native kernels unavailable, using torch (%s: %s)", type(e).__name__, first_line)
+        return None
+
+
+def _build() -> str:
+    from torch.utils import cpp_extension
+
+    _find_ninja()
+    directory = build_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    path = cpp_extension.load(
+        name="ladle_kernels",
+        sources=[str(s) for s in _SOURCES],
+        # -ffp-contract=off: no fused multiply-adds the source did not ask for, so plain loops stay IEEE
+        extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"],
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(directory),
+        is_python_module=False,
+    )
+    if not isinstance(path, str):  # documented to return nothing; torch 2.13 returns the path
+        path = str(directory / "ladle_kernels.so")
+    return path
+
+
+def _find_ninja() -> None:
+    # pip's ninja lands next to the interpreter, which is not on PATH unless the venv is activated.
+    bin_dir = Path(sys.executable).parent
+    if shutil.which("ninja") is None and (bin_dir / "ninja").exists():
+        os.environ["PATH"] = f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"
+
+
+def _check(kernels: NativeKernels) -> None:
+    """Small cases against torch, so a miscompiled library is never used."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 40, generator=gen)
+    w = torch.randn(13, 40, generator=gen)
+    b = torch.randn(13, generator=gen)
+    norm = torch.randn(40, generator=gen)
+    close = torch.allclose(kernels.linear(x, w, b), torch.nn.functional.linear(x, w, b), rtol=1e-4, atol=1e-4)
+    close &= torch.allclose(kernels.rms_norm(x, norm, 1e-6), torch.nn.functional.rms_norm(x, (40,), norm, 1e-6),
+                            rtol=1e-5, atol=1e-6)
+    if not close:
+        raise RuntimeError("self-check against torch failed")

@@ -1,0 +1,44 @@
+// y[m, n] = w * (x / sqrt(mean(x^2) + eps)) row by row: transformers' RMSNorm in float32,
+// squares rounded before they are summed as torch's pow-then-mean rounds them.
+
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstdint>
+
+namespace {
+
+void rms_norm_row(const float* x, const float* w, float* y, int64_t n, float eps) {
+  float sum = 0;
+  int64_t i = 0;
+#ifdef __AVX2__
+  __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+  for (; i + 32 <= n; i += 32)
+    for (int j = 0; j < 4; ++j) {
+      const __m256 v = _mm256_loadu_ps(x + i + 8 * j);
+      acc[j] = _mm256_add_ps(acc[j], _mm256_mul_ps(v, v));
+    }
+  const __m256 s8 = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
+  __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+  s4 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  sum = _mm_cvtss_f32(_mm_add_ss(s4, _mm_movehdup_ps(s4)));
+#endif
+  for (; i < n; ++i) {
+    const float sq = x[i] * x[i];
+    sum += sq;
+  }
+  const float inv = 1.0f / std::sqrt(sum / static_cast<float>(n) + eps);
+  for (int64_t j = 0; j < n; ++j) {
+    const float normed = x[j] * inv;
+    y[j] = w[j] * normed;
+  }
+}
+
+}  // namespace
+
+// Rows are independent and each is computed the same way whatever m and the thread count.
+extern "C" void ladle_rms_norm(const float* x, const float* w, float* y, int64_t m, int64_t n, float eps,
+                               int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && m * n >= (1 << 15))
+  for (int64_t row = 0; row < m; ++row) rms_norm_row(x + row * n, w, y + row * n, n, eps);
+}

@@ -1,0 +1,154 @@
+"""The native kernels (small-row linear, RMSNorm) against torch, and the torch fallback without them."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ladle.model import kernels
+from ladle.model.kernels import loader
+from ladle.model.layers import BATCH_INVARIANT_MIN_ROWS, Linear, rms_norm
+
+
+@pytest.fixture(scope="module")
+def native() -> kernels.NativeKernels:
+    if not loader.enabled():
+        pytest.skip("LADLE_NATIVE_KERNELS=0 in the environment")
+    k = kernels.native_kernels()
+    assert k is not None, "the native kernels failed to build; see the warning logged above"
+    return k
+
+
+@pytest.fixture
+def fresh_loader() -> Iterator[None]:
+    """Nothing loaded before and after the test, so LADLE_NATIVE_KERNELS is read afresh."""
+    loader.reset()
+    yield
+    loader.reset()
+
+
+def relative_error(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((y.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+
+
+def reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    return F.linear(x.double(), w.double(), None if b is None else b.double())
+
+
+def rms_reference(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    x = x.double()
+    return w.double() * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+@pytest.mark.parametrize("in_features", [576, 1536, 64, 37])
+@pytest.mark.parametrize("out_features", [1, 7, 960, 1001])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_matches_torch(native, in_features: int, out_features: int, bias: bool) -> None:
+    gen = torch.Generator().manual_seed(in_features * out_features)
+    w = torch.randn(out_features, in_features, generator=gen)
+    b = torch.randn(out_features, generator=gen) if bias else None
+    for rows in range(1, kernels.MAX_ROWS + 1):
+        x = torch.randn(rows, in_features, generator=gen)
+        y = native.linear(x, w, b)
+        assert y.shape == (rows, out_features) and y.dtype == torch.float32
+        assert relative_error(y, reference(x, w, b)) < 1e-4, rows
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_any_thread_count_covers_every_row(native, threads: int) -> None:
+    gen = torch.Generator().manual_seed(threads)
+    w = torch.randn(3 * 8 * 5 + 3, 512, generator=gen)  # more weight than the single-thread cutoff
+    x = torch.randn(5, 512, generator=gen)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        y = native.linear(x, w)
+        norm = torch.randn(512, generator=gen)
+        many = torch.randn(200, 512, generator=gen)  # enough rows for rms_norm to use the threads
+        normed = native.rms_norm(many, norm, 1e-6)
+    finally:
+        torch.set_num_threads(before)
+    assert relative_error(y, reference(x, w, None)) < 1e-4
+    assert relative_error(normed, rms_reference(many, norm, 1e-6)) < 1e-6
+
+
+@pytest.mark.parametrize("features", [576, 1536, 64, 37])
+def test_rms_norm_matches_torch(native, features: int) -> None:
+    gen = torch.Generator().manual_seed(features)
+    w = torch.randn(features, generator=gen)
+    for rows in (1, 3, kernels.MAX_ROWS, 100):
+        x = torch.randn(rows, features, generator=gen) * 5
+        assert relative_error(native.rms_norm(x, w, 1e-5), rms_reference(x, w, 1e-5)) < 1e-6, rows
+        assert relative_error(rms_norm(x, w, 1e-5), rms_reference(x, w, 1e-5)) < 1e-6, rows
+
+
+def test_rows_do_not_depend_on_the_batch(native) -> None:
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randn(1001, 576, generator=gen)
+    x = torch.randn(kernels.MAX_ROWS, 576, generator=gen)
+    norm = torch.randn(576, generator=gen)
+    batched, batched_norm = native.linear(x, w), native.rms_norm(x, norm, 1e-5)
+    for i in range(x.shape[0]):
+        assert torch.equal(native.linear(x[i : i + 1], w)[0], batched[i])
+        assert torch.equal(native.rms_norm(x[i : i + 1], norm, 1e-5)[0], batched_norm[i])
+
+
+def test_linear_routes_small_batches_to_the_kernel(native, monkeypatch: pytest.MonkeyPatch) -> None:
+    native = kernels.native_kernels()  # the instance Linear will use
+    calls = []
+    real = native.linear
+
+    def spy(x, w, b=None):
+        calls.append(x.shape[0])
+        return real(x, w, b)
+
+    monkeypatch.setattr(native, "linear", spy)
+    gen = torch.Generator().manual_seed(2)
+    lin = Linear(torch.randn(96, 64, generator=gen), torch.randn(96, generator=gen))
+    for rows in (1, kernels.MAX_ROWS, kernels.MAX_ROWS + 1, 3 * BATCH_INVARIANT_MIN_ROWS):
+        x = torch.randn(rows, 64, generator=gen)
+        assert relative_error(lin(x), reference(x, lin.weight, lin.bias)) < 1e-4
+        assert relative_error(lin(x, batch_invariant=True), reference(x, lin.weight, lin.bias)) < 1e-4
+    assert calls == [1, kernels.MAX_ROWS]  # larger batches and batch-invariant calls stay on MKL
+    assert lin.nbytes == 96 * 64 * 4
+
+
+def test_disabled_by_environment(fresh_loader, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LADLE_NATIVE_KERNELS", "0")
+    monkeypatch.setattr(loader, "_build", lambda: pytest.fail("disabled kernels must not be built"))
+    assert kernels.native_kernels() is None
+    gen = torch.Generator().manual_seed(3)
+    lin = Linear(torch.randn(33, 576, generator=gen))
+    x = torch.randn(2, 576, generator=gen)
+    assert relative_error(lin(x), reference(x, lin.weight, None)) < 1e-4
+    norm = torch.randn(576, generator=gen)
+    assert torch.equal(rms_norm(x, norm, 1e-6), F.rms_norm(x, (576,), norm, 1e-6))
+
+
+def test_failed_build_warns_once_and_falls_back(fresh_loader, monkeypatch: pytest.MonkeyPatch,
+                                                caplog: pytest.LogCaptureFixture) -> None:
+    def no_compiler() -> str:
+        raise RuntimeError("Error building extension 'ladle_kernels'\nc++: not found")
+
+    monkeypatch.setenv("LADLE_NATIVE_KERNELS", "1")
+    monkeypatch.setattr(loader, "_build", no_compiler)
+    gen = torch.Generator().manual_seed(4)
+    lin = Linear(torch.randn(16, 64, generator=gen))
+    x = torch.randn(1, 64, generator=gen)
+    with caplog.at_level(logging.WARNING, logger=loader.__name__):
+        for _ in range(3):
+            assert relative_error(lin(x), reference(x, lin.weight, None)) < 1e-4
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "Error building extension" in warnings[0].getMessage()
+
+
+def test_build_goes_to_the_ladle_cache(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("LADLE_CACHE_DIR", str(tmp_path))
+    assert loader.build_dir().parent == tmp_path / "kernels"
+    monkeypatch.delenv("LADLE_CACHE_DIR")
+    assert loader.build_dir().parent == Path.home() / ".cache" / "ladle" / "kernels"
