@@ -37,6 +37,14 @@ def test_scoring_is_bit_identical_cold_cached_and_batched(smollm2_dir: Path, tex
     mixed = llm.generate([question(llm, text, 1), "Tell me a story. " * 30, question(llm, text, 0)],
                          [score, chat, score])
     assert cold == warm == mixed[2].outputs[0].label_logprobs
+    # A fresh engine that first caches question 1: question 0 then reuses the block
+    # where the two prompts diverge only in part (its shared start is copied).
+    other = LLM(str(smollm2_dir), deterministic=deterministic, kv_cache_memory_gib=0.5, max_num_batched_tokens=200)
+    other.generate([question(llm, text, 1)], score)
+    hits_before = other.engine.kv.stats.hits
+    partial = other.generate([question(llm, text, 0)], score)[0].outputs[0].label_logprobs
+    assert (other.engine.kv.stats.hits - hits_before) % other.engine.config.block_size != 0
+    assert partial == cold
 
 
 def test_deterministic_generation_ignores_batch_neighbours(smollm2_dir: Path) -> None:

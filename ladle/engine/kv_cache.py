@@ -106,7 +106,23 @@ class KVCacheManager:
         seq.block_table = [node.block_id for node in path]
         seq.num_cached_blocks = len(path)
         seq.num_computed_tokens = len(path) * self.block_size
+        self._reuse_partial_block(seq, path[-1] if path else None)
         return seq.num_computed_tokens
+
+    def _reuse_partial_block(self, seq: Sequence, parent) -> None:
+        """Where the prompt shares only the start of a cached block, copy those tokens'
+        K/V into a fresh block (the runner does the copy) instead of recomputing them."""
+        start = seq.num_computed_tokens
+        limit = min(start + self.block_size, seq.num_tokens - 1)  # the last token is always computed
+        source, shared = self.cache.partial_match(parent, seq.token_ids[start:limit])
+        if source is None or self.num_free_blocks <= 1:  # keep the source from being evicted for it
+            return
+        self._ref(source.block_id)  # pin the source while a block is taken for the copy
+        block = self._take_block()
+        self._unref(source.block_id)
+        seq.block_table.append(block)
+        seq.pending_copy = (source.block_id, block, shared)
+        seq.num_computed_tokens += shared
 
     def record_lookup(self, seq: Sequence, hit_tokens: int) -> None:
         self.stats.queries += seq.num_tokens
@@ -140,10 +156,13 @@ class KVCacheManager:
         if needed > self.num_free_blocks:
             return False
         for _ in range(needed):
-            if not self.pool.free_ids:
-                self._evict_one()
-            seq.block_table.append(self.pool.take_free())
+            seq.block_table.append(self._take_block())
         return True
+
+    def _take_block(self) -> int:
+        if not self.pool.free_ids:
+            self._evict_one()
+        return self.pool.take_free()
 
     def free(self, seq: Sequence) -> None:
         # Tail first: leaves become evictable before their parents, and the free list
@@ -152,6 +171,7 @@ class KVCacheManager:
             self._unref(b)
         seq.block_table = []
         seq.num_cached_blocks = 0
+        seq.pending_copy = None
 
     def _ref(self, block_id: int) -> None:
         if self.pool.ref(block_id) and self.cache is not None and self.cache.contains_block(block_id):

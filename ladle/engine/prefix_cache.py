@@ -47,6 +47,19 @@ class RadixCache:
             path.append(node)
         return path
 
+    def partial_match(self, parent: Node | None, tokens: list[int] | tuple[int, ...]) -> tuple[Node | None, int]:
+        """The child of parent whose block starts with the most of `tokens`: (node, count)."""
+        best, best_len = None, 0
+        for key, child in (parent or self.root).children.items():
+            n = 0
+            for a, b in zip(key, tokens):
+                if a != b:
+                    break
+                n += 1
+            if n > best_len:
+                best, best_len = child, n
+        return best, best_len
+
     def insert(self, parent: Node | None, key: Key, block_id: int) -> Node:
         """Add block_id under parent (None: the root). If that block content is already
         cached, the existing node is returned and block_id stays private."""

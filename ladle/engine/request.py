@@ -51,6 +51,9 @@ class Sequence:
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache on first admission
     block_table: list[int] = field(default_factory=list)
     num_cached_blocks: int = 0  # leading blocks of block_table entered in the prefix cache
+    # (source block, destination block, tokens): K/V the runner copies before this
+    # sequence's first forward, when its prompt shares only part of a cached block.
+    pending_copy: tuple[int, int, int] | None = None
     generator: "torch.Generator | None" = None
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None

@@ -58,6 +58,11 @@ class KVCache:
         self.v = _zeros(shape, dtype, device)
         self.block_size = block_size
 
+    def copy_prefix(self, src: int, dst: int, num_tokens: int) -> None:
+        """The first num_tokens slots of block src, every layer, into block dst."""
+        self.k[:, dst, :num_tokens] = self.k[:, src, :num_tokens]
+        self.v[:, dst, :num_tokens] = self.v[:, src, :num_tokens]
+
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, itemsize: int = 4) -> int:
         return 2 * num_layers * block_size * num_kv_heads * head_dim * itemsize
@@ -146,11 +151,17 @@ class TorchPagedAttention:
         out = []
         pos = first
         while pos < span.context_len:
-            tile_end = min((pos // bs + 1) * bs, span.context_len)
-            rows = q[span.start + pos - first : span.start + tile_end - first].transpose(0, 1)
-            causal = torch.ones(tile_end - pos, tile_end, dtype=torch.bool).tril(pos)
+            tile_start = pos // bs * bs
+            tile_end = min(tile_start + bs, span.context_len)
+            rows = q[span.start + pos - first : span.start + tile_end - first]
+            # A tile that starts mid-block (its first tokens' K/V were copied from the
+            # cache) is padded with zero queries back to the block start: SDPA's rows
+            # depend on the tile's row count, not on the other rows' values.
+            rows = F.pad(rows, (0, 0, 0, 0, pos - tile_start, 0)).transpose(0, 1)
+            causal = torch.ones(tile_end - tile_start, tile_end, dtype=torch.bool).tril(tile_start)
             o = F.scaled_dot_product_attention(rows.unsqueeze(0), keys[:, :tile_end].unsqueeze(0),
                                                values[:, :tile_end].unsqueeze(0), attn_mask=causal, enable_gqa=True)
-            out.append(o[0].transpose(0, 1).reshape(tile_end - pos, self.num_heads * self.head_dim))
+            o = o[0, :, pos - tile_start :].transpose(0, 1)
+            out.append(o.reshape(tile_end - pos, self.num_heads * self.head_dim))
             pos = tile_end
         return torch.cat(out)

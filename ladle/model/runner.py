@@ -46,6 +46,10 @@ class ModelRunner:
         return item.num_new_tokens == 1 and not self._tiled(item.seq)
 
     def execute(self, batch: list[ScheduledSeq]) -> StepLogits:
+        for item in batch:
+            if item.seq.pending_copy is not None:
+                self.kv_cache.copy_prefix(*item.seq.pending_copy)
+                item.seq.pending_copy = None
         batch = sorted(batch, key=lambda s: not self._is_decode(s))  # decodes first
         input_ids, positions, slots = [], [], []
         for item in batch:
