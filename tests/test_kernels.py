@@ -1,4 +1,5 @@
-"""The native kernels (small-row linear, RMSNorm) against torch, and the torch fallback without them."""
+"""The native kernels (small-row linear, RMSNorm, decode attention) against torch, and the torch
+fallback without them."""
 
 from __future__ import annotations
 
@@ -87,15 +88,76 @@ def test_rms_norm_matches_torch(native, features: int) -> None:
         assert relative_error(rms_norm(x, w, 1e-5), rms_reference(x, w, 1e-5)) < 1e-6, rows
 
 
-def test_rows_do_not_depend_on_the_batch(native) -> None:
+def test_rms_norm_rows_do_not_depend_on_the_batch(native) -> None:
+    # Batch-invariant mode relies on it: prefill chunks of any size take the native path.
     gen = torch.Generator().manual_seed(1)
-    w = torch.randn(1001, 576, generator=gen)
-    x = torch.randn(kernels.MAX_ROWS, 576, generator=gen)
+    x = torch.randn(300, 576, generator=gen)
     norm = torch.randn(576, generator=gen)
-    batched, batched_norm = native.linear(x, w), native.rms_norm(x, norm, 1e-5)
-    for i in range(x.shape[0]):
-        assert torch.equal(native.linear(x[i : i + 1], w)[0], batched[i])
-        assert torch.equal(native.rms_norm(x[i : i + 1], norm, 1e-5)[0], batched_norm[i])
+    batched = native.rms_norm(x, norm, 1e-5)
+    for i in (0, 1, 150, 299):
+        assert torch.equal(native.rms_norm(x[i : i + 1], norm, 1e-5)[0], batched[i])
+
+
+def paged_cache(gen: torch.Generator, blocks: int = 40, block_size: int = 16, kv_heads: int = 3,
+                d: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    return (torch.randn(blocks, block_size, kv_heads, d, generator=gen),
+            torch.randn(blocks, block_size, kv_heads, d, generator=gen))
+
+
+def attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
+                        lens: torch.Tensor) -> torch.Tensor:
+    _, block_size, kv_heads, d = k_cache.shape
+    heads = q.shape[1]
+    out = []
+    for b, n in enumerate(lens.tolist()):
+        slots = [tables[b, t // block_size].item() * block_size + t % block_size for t in range(n)]
+        k = k_cache.reshape(-1, kv_heads, d)[slots].double().repeat_interleave(heads // kv_heads, dim=1)
+        v = v_cache.reshape(-1, kv_heads, d)[slots].double().repeat_interleave(heads // kv_heads, dim=1)
+        p = torch.softmax(torch.einsum("hd,thd->ht", q[b].double(), k) / d**0.5, dim=-1)
+        out.append(torch.einsum("ht,thd->hd", p, v).reshape(-1))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("lens", [[1], [37], [16, 5, 160], [300], [1000, 900]])  # the last uses both threads
+def test_decode_attention_matches_torch(native, lens: list[int]) -> None:
+    gen = torch.Generator().manual_seed(sum(lens))
+    k_cache, v_cache = paged_cache(gen, blocks=80)
+    width = max(-(-n // 16) for n in lens)
+    tables = torch.stack([torch.randperm(80, generator=gen)[:width] for _ in lens])
+    qkv = torch.randn(len(lens), (9 + 3) * 64, generator=gen)
+    q = qkv[:, : 9 * 64].view(len(lens), 9, 64)  # strided rows, as the model passes them
+    out = native.decode_attention(q, k_cache, v_cache, tables, torch.tensor(lens), 64**-0.5)
+    assert out.shape == (len(lens), 9 * 64)
+    assert relative_error(out, attention_reference(q, k_cache, v_cache, tables, torch.tensor(lens))) < 1e-5
+
+
+def test_write_kv_matches_index_copy(native) -> None:
+    gen = torch.Generator().manual_seed(5)
+    k_cache, v_cache = paged_cache(gen)
+    qkv = torch.randn(4, (9 + 3 + 3) * 64, generator=gen)
+    k = qkv[:, 9 * 64 : 12 * 64].view(4, 3, 64)
+    v = qkv[:, 12 * 64 :].view(4, 3, 64)
+    slots = torch.tensor([5, 17, 639, 300])
+    expect_k, expect_v = k_cache.clone(), v_cache.clone()
+    expect_k.view(-1, 3, 64).index_copy_(0, slots, k)
+    expect_v.view(-1, 3, 64).index_copy_(0, slots, v)
+    native.write_kv(k, v, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, expect_k) and torch.equal(v_cache, expect_v)
+
+
+def test_attention_kernels_refuse_indices_outside_the_cache(native) -> None:
+    gen = torch.Generator().manual_seed(6)
+    k_cache, v_cache = paged_cache(gen)
+    before = k_cache.clone()
+    k = torch.randn(1, 3, 64, generator=gen)
+    with pytest.raises(IndexError):
+        native.write_kv(k, k, k_cache, v_cache, torch.tensor([40 * 16]))
+    assert torch.equal(k_cache, before)
+    q = torch.randn(1, 9, 64, generator=gen)
+    with pytest.raises(IndexError):
+        native.decode_attention(q, k_cache, v_cache, torch.tensor([[3, 40]]), torch.tensor([20]), 0.125)
+    with pytest.raises(IndexError):
+        native.decode_attention(q, k_cache, v_cache, torch.tensor([[3, 4]]), torch.tensor([33]), 0.125)
 
 
 def test_linear_routes_small_batches_to_the_kernel(native, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -12,6 +12,8 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from ladle.model import kernels
+
 
 @dataclass
 class PrefillSpan:
@@ -38,6 +40,7 @@ class AttentionMetadata:
     num_decodes: int = 0
     decode_block_tables: torch.Tensor | None = None  # [B, max_blocks]
     decode_mask: torch.Tensor | None = None  # [B, 1, 1, max_blocks * block_size], True = attend
+    decode_context_lens: torch.Tensor | None = None  # [B] int64: tokens each decode attends to
     prefills: list[PrefillSpan] = field(default_factory=list)
     batch_invariant: bool = False  # linear layers must give each row the same bits whatever the batch
 
@@ -90,14 +93,28 @@ class TorchPagedAttention:
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
+        self._native_ok = cache.k.dtype == torch.float32 and cache.k.is_cpu
+
+    def _native(self, *rows: torch.Tensor) -> kernels.NativeKernels | None:
+        """The native kernels, if these [T, heads, D] operands suit them (inner dims contiguous)."""
+        if self._native_ok and all(x.dtype == torch.float32 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
+                                   for x in rows):
+            return kernels.native_kernels()
+        return None
 
     def write_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
+        native = self._native(k, v)
+        if native is not None:  # a copy per token, where index_copy_ costs several microseconds
+            native.write_kv(k, v, self.cache.k[layer], self.cache.v[layer], meta.slot_mapping)
+            return
         flat = (-1, self.num_kv_heads, self.head_dim)
         self.cache.k[layer].view(flat).index_copy_(0, meta.slot_mapping, k)
         self.cache.v[layer].view(flat).index_copy_(0, meta.slot_mapping, v)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, KVH, D] (this step's tokens, already in the cache). Returns [T, H*D]."""
+        if not meta.prefills:  # decodes only: nothing to assemble
+            return self._decode(layer, q, meta)
         out = torch.empty(q.shape[0], self.num_heads * self.head_dim, dtype=q.dtype, device=q.device)
         if meta.num_decodes:
             out[: meta.num_decodes] = self._decode(layer, q[: meta.num_decodes], meta)
@@ -113,6 +130,10 @@ class TorchPagedAttention:
         return blocks.view(*block_table.shape[:-1], -1, self.num_kv_heads, self.head_dim)
 
     def _decode(self, layer: int, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        native = self._native(q) if meta.decode_context_lens is not None else None
+        if native is not None:  # reads K/V in place: no gather copies, no mask
+            return native.decode_attention(q, self.cache.k[layer], self.cache.v[layer], meta.decode_block_tables,
+                                           meta.decode_context_lens, self.head_dim**-0.5)
         b = q.shape[0]
         group = self.num_heads // self.num_kv_heads
         # Grouped-query trick: the heads sharing one KV head attend as a group, so K/V

@@ -76,6 +76,7 @@ class ModelRunner:
             meta.num_decodes = len(decodes)
             meta.decode_block_tables = tables
             meta.decode_mask = (keys[None, :] < ctx[:, None])[:, None, None, :]
+            meta.decode_context_lens = ctx
         row = len(decodes)
         for item in batch[len(decodes) :]:
             seq = item.seq

@@ -22,7 +22,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-MAX_ROWS = 8  # rows (tokens) a decode step sends to the kernels; larger batches stay on torch
+MAX_ROWS = 32  # rows (tokens) up to which Linear takes the kernel: decode batches; prefills stay on MKL
 _SOURCES = sorted(Path(__file__).parent.glob("*.cpp"))
 _lock = threading.Lock()
 _loaded = False
@@ -30,8 +30,8 @@ _kernels: NativeKernels | None = None
 
 
 class NativeKernels:
-    """Typed entry points into the library. Operands must be contiguous float32 CPU tensors:
-    the caller checks, the kernels trust."""
+    """Typed entry points into the library. Operands are float32 CPU tensors laid out as each
+    method says: the caller checks, the kernels trust them (KV cache indices excepted)."""
 
     def __init__(self, lib: ctypes.CDLL):
         ptr, i64 = ctypes.c_void_p, ctypes.c_int64
@@ -41,6 +41,13 @@ class NativeKernels:
         self._rms_norm = lib.ladle_rms_norm
         self._rms_norm.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_float, ctypes.c_int]
         self._rms_norm.restype = None
+        self._decode_attention = lib.ladle_decode_attention
+        self._decode_attention.argtypes = [ptr, i64, ptr, ptr, i64, ptr, i64, ptr, ptr] + [i64] * 5 + [
+            ctypes.c_float, ctypes.c_int]
+        self._decode_attention.restype = ctypes.c_int
+        self._write_kv = lib.ladle_write_kv
+        self._write_kv.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, ptr, i64, i64]
+        self._write_kv.restype = ctypes.c_int
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x[M, in] @ weight[out, in]^T (+ bias), each weight row read once for all M rows."""
@@ -57,6 +64,29 @@ class NativeKernels:
         self._rms_norm(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.shape[0], x.shape[1], eps,
                        torch.get_num_threads())
         return y
+
+    def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+        """One query token per sequence: q [B, H, D] (rows may be strided), one layer's caches
+        [blocks, block_size, KVH, D], int64 block_tables [B, max_blocks] and context_lens [B].
+        Returns [B, H * D]."""
+        batch, heads, d = q.shape
+        num_blocks, block_size, kv_heads, _ = k_cache.shape
+        out = torch.empty(batch, heads * d, dtype=torch.float32)
+        if self._decode_attention(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), num_blocks,
+                                  block_tables.data_ptr(), block_tables.shape[1], context_lens.data_ptr(),
+                                  out.data_ptr(), batch, heads, kv_heads, d, block_size, scale,
+                                  torch.get_num_threads()):
+            raise IndexError("decode_attention: a block table or context length points outside the KV cache")
+        return out
+
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slots: torch.Tensor) -> None:
+        """k_cache.view(-1, KVH, D)[slots] = k, and the same for v; rows of k, v may be strided."""
+        width = k.shape[1] * k.shape[2]
+        if self._write_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k_cache.data_ptr(),
+                          v_cache.data_ptr(), k_cache.numel() // width, slots.data_ptr(), k.shape[0], width):
+            raise IndexError("write_kv: a slot is outside the KV cache")
 
 
 def enabled() -> bool:
@@ -148,5 +178,11 @@ def _check(kernels: NativeKernels) -> None:
     close = torch.allclose(kernels.linear(x, w, b), torch.nn.functional.linear(x, w, b), rtol=1e-4, atol=1e-4)
     close &= torch.allclose(kernels.rms_norm(x, norm, 1e-6), torch.nn.functional.rms_norm(x, (40,), norm, 1e-6),
                             rtol=1e-5, atol=1e-6)
+    k_cache, v_cache = torch.randn(2, 4, 1, 8, generator=gen), torch.randn(2, 4, 1, 8, generator=gen)
+    q = torch.randn(1, 2, 8, generator=gen)  # two query heads sharing one KV head; 6 tokens in blocks 1, 0
+    out = kernels.decode_attention(q, k_cache, v_cache, torch.tensor([[1, 0]]), torch.tensor([6]), 8**-0.5)
+    k, v = torch.cat([k_cache[1], k_cache[0]])[:6, 0], torch.cat([v_cache[1], v_cache[0]])[:6, 0]
+    expect = torch.softmax(q[0] @ k.T * 8**-0.5, dim=-1) @ v
+    close &= torch.allclose(out, expect.reshape(1, 16), rtol=1e-5, atol=1e-6)
     if not close:
         raise RuntimeError("self-check against torch failed")
