@@ -180,7 +180,7 @@ def test_too_many_questions_and_unknown_model(server: Server) -> None:
     many = [{**URGENT, "id": f"q{i}"} for i in range(401)]
     assert _refusal(server, "decisions", {"input": TICKET, "questions": many})["param"] == "questions"
     r = post(server, "decisions", {"input": TICKET, "questions": [TEAM], "model": "gpt-luna"})
-    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    assert r.status_code == 400 and r.json()["error"]["code"] == "model_not_found"
 
 
 def test_prompt_too_long_is_refused_not_truncated(server: Server) -> None:

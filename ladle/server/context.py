@@ -31,9 +31,10 @@ class ServerContext:
         self.metrics = Metrics(self.engine, self.model_name)
 
     def check_model(self, model: str | None) -> None:
-        """Requests may omit the model (as vLLM allows) or must name the one served."""
+        """Requests may omit the model (as vLLM allows) or must name the one served.
+        An unknown model is a bad parameter: 400 naming `model`, as ladle's API promises."""
         if model is not None and model != self.model_name:
-            raise APIError(404, f"The model `{model}` does not exist (this server serves `{self.model_name}`).",
+            raise APIError(400, f"The model `{model}` does not exist (this server serves `{self.model_name}`).",
                            param="model", code="model_not_found")
 
 
