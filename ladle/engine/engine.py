@@ -8,7 +8,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -31,12 +31,11 @@ log = logging.getLogger("ladle")
 
 @dataclass
 class EngineStats:
-    """Running totals for metrics and admission control."""
+    """Running totals, read by the server's snapshot."""
 
     prompt_tokens: int = 0
     generation_tokens: int = 0
     steps: int = 0
-    recent_generation: list[tuple[float, int]] = field(default_factory=list)  # (time, tokens) per step
 
 
 class LLMEngine:
@@ -158,8 +157,6 @@ class LLMEngine:
             deltas.setdefault(seq.request_id, []).append(self._finish_scoring(seq, logits.sample_logits[i], done_at))
         self.stats.steps += 1
         self.stats.generation_tokens += len(sampled)
-        self.stats.recent_generation.append((done_at, len(sampled)))
-        del self.stats.recent_generation[:-64]
         return [self._request_output(rid, d) for rid, d in deltas.items()]
 
     def _append_token(self, seq: Sequence, token: int, lp: TokenLogprob | None, now: float) -> CompletionDelta:
