@@ -91,7 +91,9 @@ class InProcessServer:
         import uvicorn
 
         self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-        self.sock = socket.socket()
+        # IPPROTO_TCP: only then does asyncio set TCP_NODELAY on accepted connections;
+        # without it every response with a body waits ~40 ms on a delayed ACK.
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         self.sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
@@ -135,9 +137,6 @@ def main() -> None:
     print(f"machine: {machine()}")
     engine = AsyncEngine(LLMEngine(EngineConfig(model=args.model, num_kv_blocks=2048)))
     server = InProcessServer(create_app(engine, "bench"))
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(engine.engine.model_path, dtype=torch.float32).eval()
     tok = engine.tokenizer
     report: dict = {"machine": machine(), "model": str(engine.engine.model_path), "repeats": args.repeats,
                     "sizes": {}}
@@ -154,6 +153,10 @@ def main() -> None:
     finally:
         server.stop()
         engine.shutdown()
+    # Loaded only now: torch work on this thread while the engine steps would slow it (engine/threads.py).
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(engine.engine.model_path, dtype=torch.float32).eval()
     for k in sizes:
         naive = [naive_question(hf, a) for a in last[k]["answers"].values() for _ in range(NAIVE_REPEATS)]
         per_question = [min(t for t, _ in naive[i : i + NAIVE_REPEATS]) for i in range(0, len(naive), NAIVE_REPEATS)]

@@ -21,7 +21,7 @@ class ScriptedEngine:
     """Each step emits one token (its count) per live request; checks it is only ever driven by one thread."""
 
     def __init__(self, fail_at_step: int | None = None, max_waiting_requests: int | None = None):
-        self.config = SimpleNamespace(max_waiting_requests=max_waiting_requests)
+        self.config = SimpleNamespace(max_waiting_requests=max_waiting_requests, num_threads=None)
         self.tokenizer = None
         self.max_model_len = 100
         self.model_config = SimpleNamespace(vocab_size=10)
@@ -189,6 +189,21 @@ def test_a_failing_step_fails_its_requests_instead_of_hanging() -> None:
                 pass
 
     asyncio.run(main())
+    assert not ae.is_running
+    ae.shutdown()
+
+
+def test_a_failure_outside_the_step_fails_requests_instead_of_hanging() -> None:
+    engine = ScriptedEngine()
+    engine.config.num_threads = "two"  # the engine thread's set-up raises before any step
+    ae = AsyncEngine(engine)
+
+    async def main():
+        with pytest.raises(EngineStoppedError):
+            async for _ in ae.generate("a", [1], SamplingParams(max_tokens=5)):
+                pass
+
+    asyncio.run(asyncio.wait_for(main(), 30))
     assert not ae.is_running
     ae.shutdown()
 

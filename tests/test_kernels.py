@@ -1,5 +1,5 @@
-"""The native kernels (small-row linear, RMSNorm, decode attention) against torch, and the torch
-fallback without them."""
+"""The native kernels (small-row linear, RMSNorm, decode and prompt attention) against torch, and
+the torch fallback without them."""
 
 from __future__ import annotations
 
@@ -131,6 +131,57 @@ def test_decode_attention_matches_torch(native, lens: list[int]) -> None:
     assert relative_error(out, attention_reference(q, k_cache, v_cache, tables, torch.tensor(lens))) < 1e-5
 
 
+def prompt_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
+                     first: int) -> torch.Tensor:
+    """Causal attention for rows at positions first.. in float64."""
+    rows = q.shape[0]
+    lens = torch.arange(first + 1, first + rows + 1)
+    return attention_reference(q, k_cache, v_cache, table.expand(rows, -1), lens)
+
+
+def prompt_attention(native, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     spans: list[tuple[torch.Tensor, int, int, int]]) -> torch.Tensor:
+    """spans: (block table, first row, rows, first position). Rows no span covers stay NaN."""
+    width = max(len(t) for t, *_ in spans)
+    tables = torch.zeros(len(spans), width, dtype=torch.int64)
+    for i, (t, *_) in enumerate(spans):
+        tables[i, : len(t)] = t
+    out = torch.full((q.shape[0], q.shape[1] * q.shape[2]), float("nan"))
+    native.prompt_attention(q, k_cache, v_cache, tables, torch.tensor([s[1] for s in spans]),
+                            torch.tensor([s[2] for s in spans]), torch.tensor([s[3] for s in spans]),
+                            q.shape[2] ** -0.5, out)
+    return out
+
+
+@pytest.mark.parametrize(("rows", "first", "d"), [(1, 0, 64), (37, 0, 64), (300, 0, 64), (33, 526, 64),
+                                                  (5, 90, 128), (20, 3, 8)])
+def test_prompt_attention_matches_torch(native, rows: int, first: int, d: int) -> None:
+    gen = torch.Generator().manual_seed(rows + first + d)
+    k_cache, v_cache = paged_cache(gen, blocks=80, d=d)
+    table = torch.randperm(80, generator=gen)[: -(-(first + rows) // 16)]
+    qkv = torch.randn(rows, (9 + 6) * d, generator=gen)
+    q = qkv[:, : 9 * d].view(rows, 9, d)  # strided rows, as the model passes them
+    out = prompt_attention(native, q, k_cache, v_cache, [(table, 0, rows, first)])
+    assert relative_error(out, prompt_reference(q, k_cache, v_cache, table, first)) < 1e-5
+
+
+def test_prompt_attention_rows_do_not_depend_on_their_neighbours(native) -> None:
+    """A row's bits are the same computed in one 600-row chunk, in a later chunk next to
+    another sequence, or alone: what scoring and --deterministic rely on."""
+    gen = torch.Generator().manual_seed(8)
+    k_cache, v_cache = paged_cache(gen, blocks=80)
+    table, other = torch.randperm(80, generator=gen)[:38], torch.randperm(80, generator=gen)[:3]
+    q = torch.randn(600, 9, 64, generator=gen)
+    whole = prompt_attention(native, q, k_cache, v_cache, [(table, 0, 600, 0)])
+    neighbour = torch.randn(40, 9, 64, generator=gen)
+    for first in (1, 13, 16, 523, 599):
+        batch = torch.cat([neighbour, q[first:]])
+        chunk = prompt_attention(native, batch, k_cache, v_cache, [(other, 0, 40, 5), (table, 40, 600 - first, first)])
+        assert torch.equal(chunk[40:], whole[first:]), first
+        alone = prompt_attention(native, q[first : first + 1], k_cache, v_cache, [(table, 0, 1, first)])
+        assert torch.equal(alone, whole[first : first + 1]), first
+
+
 def test_write_kv_matches_index_copy(native) -> None:
     gen = torch.Generator().manual_seed(5)
     k_cache, v_cache = paged_cache(gen)
@@ -158,6 +209,11 @@ def test_attention_kernels_refuse_indices_outside_the_cache(native) -> None:
         native.decode_attention(q, k_cache, v_cache, torch.tensor([[3, 40]]), torch.tensor([20]), 0.125)
     with pytest.raises(IndexError):
         native.decode_attention(q, k_cache, v_cache, torch.tensor([[3, 4]]), torch.tensor([33]), 0.125)
+    q = torch.randn(4, 9, 64, generator=gen)
+    with pytest.raises(IndexError):  # a block id past the cache
+        prompt_attention(native, q, k_cache, v_cache, [(torch.tensor([3, 40]), 0, 4, 14)])
+    with pytest.raises(IndexError):  # positions past the table
+        prompt_attention(native, q, k_cache, v_cache, [(torch.tensor([3]), 0, 4, 14)])
 
 
 def test_linear_routes_small_batches_to_the_kernel(native, monkeypatch: pytest.MonkeyPatch) -> None:

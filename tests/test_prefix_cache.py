@@ -109,6 +109,41 @@ def test_radix_tree_bookkeeping() -> None:
     kv.free(big)
 
 
+def test_canonical_sequences_reuse_only_canonical_blocks() -> None:
+    """Scoring must not read K/V that batched generation computed: it skips such blocks,
+    recomputes them, and its canonical copy then takes the tree node over; the generating
+    sequence keeps its own block, and nothing leaks."""
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+
+    def seq(tokens: list[int], canonical: bool) -> Sequence:
+        return Sequence(seq_id=0, request_id="r", index=0, token_ids=tokens, num_prompt_tokens=len(tokens),
+                        params=GREEDY, arrival_time=0.0, canonical=canonical)
+
+    def compute(s: Sequence) -> None:
+        assert kv.allocate_slots(s, s.num_tokens - s.num_computed_tokens)
+        s.num_computed_tokens = s.num_tokens
+        kv.cache_full_blocks(s)
+
+    chat = seq(list(range(10)), canonical=False)
+    assert kv.match_prefix(chat) == 0
+    compute(chat)  # caches blocks [0..4) and [4..8), not canonical
+    chat_blocks = list(chat.block_table)
+    scoring = seq(list(range(8)) + [50, 51, 52], canonical=True)
+    assert kv.match_prefix(scoring) == 0 and scoring.pending_copy is None  # neither full nor partial reuse
+    compute(scoring)
+    assert scoring.block_table[:2] != chat_blocks[:2]  # its own K/V, now the tree's
+    assert [kv.cache.by_block.get(b) for b in chat_blocks[:2]] == [None, None]
+    later = seq(list(range(8)) + [60], canonical=True)
+    assert kv.match_prefix(later) == 8 and later.block_table == scoring.block_table[:2]
+    other_chat = seq(list(range(8)) + [70], canonical=False)
+    assert kv.match_prefix(other_chat) == 8  # generation reuses canonical blocks freely
+    for s in (chat, scoring, later, other_chat):
+        kv.free(s)
+    assert all(c == 0 for c in kv.pool.ref_counts)
+    assert kv.num_free_blocks == kv.num_blocks
+    assert len(kv.pool.free_ids) + kv.num_cached_blocks == kv.num_blocks
+
+
 def test_priority_arrival_preempts_and_finishes_first(tiny_llama: Path) -> None:
     llm = LLM(str(tiny_llama), scheduling_policy="priority", max_num_seqs=2)
     eng = llm.engine

@@ -19,12 +19,13 @@ from ladle.engine.admission import CompletionRate, QueueFullError
 from ladle.engine.engine import LLMEngine
 from ladle.engine.request import Sequence, StepOutput
 from ladle.engine.sampling_params import SamplingParams
+from ladle.engine.threads import claim_compute, release_openmp_team
 
 log = logging.getLogger("ladle")
 
 
 class EngineStoppedError(RuntimeError):
-    """The engine thread is gone (shut down, or a step failed); the request cannot finish."""
+    """The engine thread is gone (shut down, or it failed); the request cannot finish."""
 
 
 class RequestAbortedError(RuntimeError):
@@ -144,6 +145,7 @@ class AsyncEngine:
         self._num_pending = 0
         self._num_applying = 0
         self._completions = CompletionRate()  # under _cond
+        release_openmp_team()  # the engine thread computes from now on (see engine/threads.py)
 
     # -- lifecycle ------------------------------------------------------------
 
@@ -249,6 +251,17 @@ class AsyncEngine:
     # -- the engine thread ----------------------------------------------------
 
     def _run(self) -> None:
+        try:
+            claim_compute(self.engine.config.num_threads)
+            self._serve()
+        except Exception as e:  # a bug, not a client error: fail everything, stop serving
+            log.exception("engine failed; stopping the engine")
+            with self._cond:
+                self._error = e
+                ops, self._ops = self._ops, []
+            self._fail_all(ops, EngineStoppedError(f"engine failed: {e!r}"))
+
+    def _serve(self) -> None:
         engine = self.engine
         while True:
             with self._cond:
@@ -265,15 +278,7 @@ class AsyncEngine:
             if not engine.has_unfinished_requests():
                 continue
             started = time.time()
-            try:
-                outputs = engine.step()
-            except Exception as e:  # a bug, not a client error: fail everything, stop serving
-                log.exception("engine step failed; stopping the engine")
-                with self._cond:
-                    self._error = e
-                    ops, self._ops = self._ops, []
-                self._fail_all(ops, EngineStoppedError(f"engine step failed: {e!r}"))
-                return
+            outputs = engine.step()
             now = time.time()
             snapshot = self._publish(completed=sum(out.finished for out in outputs), at=now)
             aborted, self._aborted = self._aborted, []

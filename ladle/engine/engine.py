@@ -57,8 +57,7 @@ class LLMEngine:
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
                                  cache_outputs=not config.deterministic)
         self.scheduler = Scheduler(config, self.kv)
-        self.runner = ModelRunner(self.model_config, load_weights(folder), num_blocks, config.block_size,
-                                  deterministic=config.deterministic)
+        self.runner = ModelRunner(self.model_config, load_weights(folder), num_blocks, config.block_size)
         self.sampler = Sampler(config.seed)
         self.requests: dict[str, list[Sequence]] = {}
         self.stats = EngineStats()
@@ -114,7 +113,8 @@ class LLMEngine:
         gen = None if params.seed is None else torch.Generator().manual_seed(params.seed + index)
         seq = Sequence(seq_id=next(self._seq_ids), request_id=request_id, index=index, token_ids=list(ids),
                        num_prompt_tokens=len(ids), params=params, arrival_time=arrival, priority=priority,
-                       eos_token_ids=self.eos_token_ids, generator=gen)
+                       eos_token_ids=self.eos_token_ids, generator=gen,
+                       canonical=self.config.deterministic or params.is_scoring)
         detok = IncrementalDetokenizer(self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens)
         seq.text = OutputTextTracker(detok, params.stop)
         return seq

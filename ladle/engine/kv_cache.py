@@ -89,7 +89,8 @@ class KVCacheManager:
         """Tokens of seq a lookup would find now (read-only; for longest-prefix-match)."""
         if self.cache is None:
             return 0
-        return len(self.cache.match(seq.token_ids, self._max_match_blocks(seq))) * self.block_size
+        path = self.cache.match(seq.token_ids, self._max_match_blocks(seq), canonical_only=seq.canonical)
+        return len(path) * self.block_size
 
     def _max_match_blocks(self, seq: Sequence) -> int:
         # At least the last token is always computed, so the step has logits to sample from.
@@ -100,7 +101,7 @@ class KVCacheManager:
         assert not seq.block_table and seq.num_computed_tokens == 0
         if self.cache is None or seq.params.prompt_logprobs is not None:
             return 0  # prompt logprobs need every prompt position computed
-        path = self.cache.match(seq.token_ids, self._max_match_blocks(seq))
+        path = self.cache.match(seq.token_ids, self._max_match_blocks(seq), canonical_only=seq.canonical)
         for node in path:
             self._ref(node.block_id)
         seq.block_table = [node.block_id for node in path]
@@ -114,7 +115,7 @@ class KVCacheManager:
         K/V into a fresh block (the runner does the copy) instead of recomputing them."""
         start = seq.num_computed_tokens
         limit = min(start + self.block_size, seq.num_tokens - 1)  # the last token is always computed
-        source, shared = self.cache.partial_match(parent, seq.token_ids[start:limit])
+        source, shared = self.cache.partial_match(parent, seq.token_ids[start:limit], canonical_only=seq.canonical)
         if source is None or self.num_free_blocks <= 1:  # keep the source from being evicted for it
             return
         self._ref(source.block_id)  # pin the source while a block is taken for the copy
@@ -136,15 +137,25 @@ class KVCacheManager:
         full = computed // self.block_size
         bs = self.block_size
         for k in range(seq.num_cached_blocks, full):
-            parent = self.cache.by_block[seq.block_table[k - 1]] if k else None
+            parent = self.cache.by_block.get(seq.block_table[k - 1]) if k else None
+            if k and parent is None:  # our parent block was replaced by a canonical one: we stay private
+                return
             key = tuple(seq.token_ids[k * bs : (k + 1) * bs])
-            node = self.cache.insert(parent, key, seq.block_table[k])
-            if node.block_id != seq.block_table[k]:
-                # Someone cached the same tokens first: share theirs, return ours.
-                self._ref(node.block_id)
-                self._unref(seq.block_table[k])
-                seq.block_table[k] = node.block_id
-        seq.num_cached_blocks = max(seq.num_cached_blocks, full)
+            node = self.cache.insert(parent, key, seq.block_table[k], seq.canonical)
+            if node.block_id != seq.block_table[k]:  # someone cached the same tokens first
+                if seq.canonical and not node.canonical:
+                    self._replace_with_canonical(node, seq.block_table[k])
+                else:  # share theirs, return ours
+                    self._ref(node.block_id)
+                    self._unref(seq.block_table[k])
+                    seq.block_table[k] = node.block_id
+            seq.num_cached_blocks = k + 1
+
+    def _replace_with_canonical(self, node, block_id: int) -> None:
+        old = self.cache.replace_block(node, block_id)
+        if self.pool.ref_counts[old] == 0:  # it was cached and unreferenced: free it now
+            self.num_cached_unreferenced -= 1
+            self.pool.free_ids.append(old)
 
     # -- allocation -----------------------------------------------------------
 

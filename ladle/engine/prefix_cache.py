@@ -5,6 +5,11 @@ and every node names the KV block that holds that block's keys and values. Block
 held by no sequence stay in the tree, reusable, until the pool needs room: then the
 least recently used unreferenced leaves go first. "Recently used" is the moment a
 block lost its last reference: `evictable` keeps that order, so eviction is O(1).
+
+A node is canonical when a canonical sequence (scoring, --deterministic) computed its
+block. Canonical sequences match canonical nodes only, so what they compute never
+depends on K/V that batched generation computed; a canonical block computed later for a
+non-canonical node's tokens takes the node over.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ class Node:
     key: Key
     block_id: int
     parent: "Node | None"
+    canonical: bool = False
     children: dict[Key, "Node"] = field(default_factory=dict)
 
 
@@ -37,20 +43,23 @@ class RadixCache:
         bs = self.block_size
         return [tuple(tokens[i * bs : (i + 1) * bs]) for i in range(max_blocks)]
 
-    def match(self, tokens: list[int], max_blocks: int) -> list[Node]:
+    def match(self, tokens: list[int], max_blocks: int, canonical_only: bool = False) -> list[Node]:
         """Longest cached path for tokens, at most max_blocks deep (read-only)."""
         path, node = [], self.root
         for key in self._keys(tokens, max_blocks):
             node = node.children.get(key)
-            if node is None:
+            if node is None or (canonical_only and not node.canonical):
                 break
             path.append(node)
         return path
 
-    def partial_match(self, parent: Node | None, tokens: list[int] | tuple[int, ...]) -> tuple[Node | None, int]:
+    def partial_match(self, parent: Node | None, tokens: list[int] | tuple[int, ...],
+                      canonical_only: bool = False) -> tuple[Node | None, int]:
         """The child of parent whose block starts with the most of `tokens`: (node, count)."""
         best, best_len = None, 0
         for key, child in (parent or self.root).children.items():
+            if canonical_only and not child.canonical:
+                continue
             n = 0
             for a, b in zip(key, tokens):
                 if a != b:
@@ -60,18 +69,28 @@ class RadixCache:
                 best, best_len = child, n
         return best, best_len
 
-    def insert(self, parent: Node | None, key: Key, block_id: int) -> Node:
+    def insert(self, parent: Node | None, key: Key, block_id: int, canonical: bool = False) -> Node:
         """Add block_id under parent (None: the root). If that block content is already
         cached, the existing node is returned and block_id stays private."""
         parent = parent or self.root
         existing = parent.children.get(key)
         if existing is not None:
             return existing
-        node = Node(key=key, block_id=block_id, parent=parent)
+        node = Node(key=key, block_id=block_id, parent=parent, canonical=canonical)
         parent.children[key] = node
         self.by_block[block_id] = node
         self.evictable.pop(parent.block_id, None)  # a parent with children is no leaf
         return node
+
+    def replace_block(self, node: Node, block_id: int) -> int:
+        """Make node name block_id, a canonical block for its tokens; returns the block it
+        named before, which leaves the tree (its holders keep it as a private block)."""
+        old = node.block_id
+        del self.by_block[old]
+        self.evictable.pop(old, None)
+        node.block_id, node.canonical = block_id, True
+        self.by_block[block_id] = node
+        return old
 
     def contains_block(self, block_id: int) -> bool:
         return block_id in self.by_block

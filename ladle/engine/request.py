@@ -46,6 +46,10 @@ class Sequence:
     arrival_time: float
     priority: int = 0
     eos_token_ids: frozenset[int] = frozenset()
+    # Computed canonically: every token's K/V and logits independent of chunking, batch and
+    # cache state (scoring always; every sequence under --deterministic). Such a sequence
+    # only reuses cached blocks that were computed canonically too.
+    canonical: bool = False
     status: SeqStatus = SeqStatus.WAITING
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache on first admission

@@ -138,8 +138,8 @@ class Scheduler:
         if self.config.long_prefill_token_threshold > 0:
             n = min(n, self.config.long_prefill_token_threshold)
         n = min(n, budget)
-        if (self.config.deterministic or seq.params.is_scoring) and n < remaining:
-            # Chunks end on block boundaries, so no attention tile is ever split.
+        if seq.canonical and n < remaining:
+            # Chunks end on block boundaries, so no attention tile of the torch fallback is split.
             bs = self.config.block_size
             n = (seq.num_computed_tokens + n) // bs * bs - seq.num_computed_tokens
         return n

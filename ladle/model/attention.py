@@ -29,6 +29,25 @@ class PrefillSpan:
 
 
 @dataclass
+class TiledRows:
+    """The tiled spans of a step, packed for the native row-invariant prompt kernel."""
+
+    block_tables: torch.Tensor  # int64 [S, max_blocks]
+    row_starts: torch.Tensor  # int64 [S]: first row of each span in the flat batch
+    row_counts: torch.Tensor  # int64 [S]
+    first_positions: torch.Tensor  # int64 [S]: absolute position of each span's first row
+
+    @classmethod
+    def of(cls, spans: list[PrefillSpan]) -> "TiledRows":
+        width = max(len(s.block_table) for s in spans)
+        tables = torch.zeros(len(spans), width, dtype=torch.int64)
+        for i, s in enumerate(spans):
+            tables[i, : len(s.block_table)] = s.block_table
+        return cls(tables, torch.tensor([s.start for s in spans]), torch.tensor([s.end - s.start for s in spans]),
+                   torch.tensor([s.context_len - (s.end - s.start) for s in spans]))
+
+
+@dataclass
 class AttentionMetadata:
     """What every layer needs to attend for one step; built once by the runner.
 
@@ -42,6 +61,7 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None = None  # [B, 1, 1, max_blocks * block_size], True = attend
     decode_context_lens: torch.Tensor | None = None  # [B] int64: tokens each decode attends to
     prefills: list[PrefillSpan] = field(default_factory=list)
+    tiled: TiledRows | None = None  # the tiled spans of `prefills`, if any
     batch_invariant: bool = False  # linear layers must give each row the same bits whatever the batch
 
 
@@ -94,6 +114,7 @@ class TorchPagedAttention:
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self._native_ok = cache.k.dtype == torch.float32 and cache.k.is_cpu
+        self._prompt_kernel_ok = self._native_ok and head_dim % 8 == 0 and cache.block_size % 8 == 0
 
     def _native(self, *rows: torch.Tensor) -> kernels.NativeKernels | None:
         """The native kernels, if these [T, heads, D] operands suit them (inner dims contiguous)."""
@@ -118,9 +139,16 @@ class TorchPagedAttention:
         out = torch.empty(q.shape[0], self.num_heads * self.head_dim, dtype=q.dtype, device=q.device)
         if meta.num_decodes:
             out[: meta.num_decodes] = self._decode(layer, q[: meta.num_decodes], meta)
+        native = self._native(q) if meta.tiled is not None and self._prompt_kernel_ok else None
         for span in meta.prefills:
-            attend_span = self._tiles if span.tiled else self._prefill
-            out[span.start : span.end] = attend_span(layer, span, q, k, v)
+            if span.tiled and native is None:
+                out[span.start : span.end] = self._tiles(layer, span, q, k, v)
+            elif not span.tiled:
+                out[span.start : span.end] = self._prefill(layer, span, q, k, v)
+        if native is not None:  # every tiled span in one call, each row computed on its own
+            rows = meta.tiled
+            native.prompt_attention(q, self.cache.k[layer], self.cache.v[layer], rows.block_tables, rows.row_starts,
+                                    rows.row_counts, rows.first_positions, self.head_dim**-0.5, out)
         return out
 
     def _gather(self, cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
@@ -162,8 +190,9 @@ class TorchPagedAttention:
         return o[0].transpose(0, 1).reshape(n, self.num_heads * self.head_dim)
 
     def _tiles(self, layer: int, span: PrefillSpan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Queries in tiles aligned to absolute block boundaries, each against exactly the
-        keys up to its end: the same call shapes whether a prefix was cached or not."""
+        """Without the native kernels: queries in tiles aligned to absolute block boundaries,
+        each against exactly the keys up to its end: the same call shapes whether a prefix
+        was cached or not."""
         bs = self.cache.block_size
         n = span.end - span.start
         first = span.context_len - n  # absolute position of the span's first query

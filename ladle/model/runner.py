@@ -13,7 +13,7 @@ import torch
 
 from ladle.engine.request import Sequence
 from ladle.engine.scheduler import ScheduledSeq
-from ladle.model.attention import AttentionMetadata, KVCache, PrefillSpan, TorchPagedAttention
+from ladle.model.attention import AttentionMetadata, KVCache, PrefillSpan, TiledRows, TorchPagedAttention
 from ladle.model.config import ModelConfig
 from ladle.model.llama import LlamaForCausalLM
 
@@ -28,22 +28,15 @@ class StepLogits:
 
 
 class ModelRunner:
-    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], num_blocks: int, block_size: int,
-                 deterministic: bool = False):
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], num_blocks: int, block_size: int):
         self.cfg = cfg
         self.block_size = block_size
-        self.deterministic = deterministic
         self.kv_cache = KVCache(cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
         backend = TorchPagedAttention(self.kv_cache, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
         self.model = LlamaForCausalLM(cfg, weights, backend)
 
-    def _tiled(self, seq: Sequence) -> bool:
-        # Scoring (decisions) always computes canonically, so its probabilities do not move
-        # with caching or batching; --deterministic extends that to every sequence.
-        return self.deterministic or seq.params.is_scoring
-
     def _is_decode(self, item: ScheduledSeq) -> bool:
-        return item.num_new_tokens == 1 and not self._tiled(item.seq)
+        return item.num_new_tokens == 1 and not item.seq.canonical
 
     def execute(self, batch: list[ScheduledSeq]) -> StepLogits:
         for item in batch:
@@ -82,9 +75,12 @@ class ModelRunner:
             seq = item.seq
             ctx = seq.num_computed_tokens + item.num_new_tokens
             table = torch.tensor(seq.block_table[: -(-ctx // self.block_size)], dtype=torch.int64)
-            meta.prefills.append(PrefillSpan(row, row + item.num_new_tokens, ctx, table, tiled=self._tiled(seq)))
+            meta.prefills.append(PrefillSpan(row, row + item.num_new_tokens, ctx, table, tiled=seq.canonical))
             row += item.num_new_tokens
-        meta.batch_invariant = any(span.tiled for span in meta.prefills)
+        tiled = [span for span in meta.prefills if span.tiled]
+        if tiled:
+            meta.tiled = TiledRows.of(tiled)
+            meta.batch_invariant = True
         return meta
 
     def _logits(self, batch: list[ScheduledSeq], hidden: torch.Tensor, batch_invariant: bool) -> StepLogits:

@@ -45,6 +45,10 @@ class NativeKernels:
         self._decode_attention.argtypes = [ptr, i64, ptr, ptr, i64, ptr, i64, ptr, ptr] + [i64] * 5 + [
             ctypes.c_float, ctypes.c_int]
         self._decode_attention.restype = ctypes.c_int
+        self._prompt_attention = lib.ladle_prompt_attention
+        self._prompt_attention.argtypes = [ptr, i64, ptr, ptr, i64, ptr, i64, ptr, ptr, ptr, ptr] + [i64] * 6 + [
+            ctypes.c_float, ctypes.c_int]
+        self._prompt_attention.restype = ctypes.c_int
         self._write_kv = lib.ladle_write_kv
         self._write_kv.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, ptr, i64, i64]
         self._write_kv.restype = ctypes.c_int
@@ -79,6 +83,24 @@ class NativeKernels:
                                   torch.get_num_threads()):
             raise IndexError("decode_attention: a block table or context length points outside the KV cache")
         return out
+
+    def prompt_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         block_tables: torch.Tensor, row_starts: torch.Tensor, row_counts: torch.Tensor,
+                         first_positions: torch.Tensor, scale: float, out: torch.Tensor) -> None:
+        """Causal attention for prompt rows, each row on its own (row-invariant): sequence s owns
+        rows [row_starts[s], + row_counts[s]) of q [T, H, D] (rows may be strided) and of out
+        [T, H * D] (written), at positions first_positions[s] onwards, over the blocks of
+        block_tables[s] (int64 [S, max_blocks]). D and the block size must be multiples of 8."""
+        num_blocks, block_size, kv_heads, d = k_cache.shape
+        status = self._prompt_attention(
+            q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), num_blocks, block_tables.data_ptr(),
+            block_tables.shape[1], row_starts.data_ptr(), row_counts.data_ptr(), first_positions.data_ptr(),
+            out.data_ptr(), out.stride(0), block_tables.shape[0], q.shape[1], kv_heads, d, block_size, scale,
+            torch.get_num_threads())
+        if status == -1:
+            raise IndexError("prompt_attention: a block table or position points outside the KV cache")
+        if status:
+            raise ValueError("prompt_attention: the head size and block size must be multiples of 8")
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  slots: torch.Tensor) -> None:

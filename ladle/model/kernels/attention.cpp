@@ -1,0 +1,346 @@
+// Attention over the paged KV cache, keys and values read in place through each sequence's
+// block table (no gather copies, no masks), grouped-query heads served together.
+//
+// Decode: one query token per sequence. Replaces the torch path, whose fixed costs dominate
+// at decode sizes; and the index_copy_ that writes the new K/V.
+//
+// Prompt rows, row-invariant: each query row is computed by the same sequence of operations
+// whatever else shares the call (other rows of its chunk, other sequences, where its chunk
+// began), so a prompt scored cold, from a cached prefix or inside any batch gives
+// bit-identical outputs. Scoring and --deterministic rely on it.
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+#ifdef __AVX2__
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// e^x for x <= 0 (softmax after subtracting the max): Cephes' expf, within 2 ulp.
+inline __m256 exp_nonpositive(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
+  const __m256 fx = _mm256_round_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)),
+                                    _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+  const __m256i pow2 = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(pow2));
+}
+#endif
+
+inline float dot(const float* a, const float* b, int64_t d) {
+  float s = 0;
+  int64_t i = 0;
+#ifdef __AVX2__
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+  for (; i + 16 <= d; i += 16) {
+    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
+  }
+  for (; i + 8 <= d; i += 8) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+  s = hsum(_mm256_add_ps(acc0, acc1));
+#endif
+  for (; i < d; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// p[i] = exp(p[i] - max); returns their sum.
+float exp_shifted(float* p, int64_t n, float max) {
+  float sum = 0;
+  int64_t i = 0;
+#ifdef __AVX2__
+  __m256 acc = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) {
+    const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(p + i), _mm256_set1_ps(max)));
+    _mm256_storeu_ps(p + i, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  sum = hsum(acc);
+#endif
+  for (; i < n; ++i) {
+    p[i] = std::exp(p[i] - max);
+    sum += p[i];
+  }
+  return sum;
+}
+
+// One sequence, one KV head and the `group` query heads that share it.
+void attend_group(const float* q, const float* k_cache, const float* v_cache, const int64_t* table, int64_t n,
+                  int64_t kv_head, int64_t kv_heads, int64_t group, int64_t d, int64_t block_size, float scale,
+                  float* out, std::vector<float>& scores) {
+  scores.resize(group * n);
+  for (int64_t t = 0; t < n; ++t) {
+    const float* k = k_cache + ((table[t / block_size] * block_size + t % block_size) * kv_heads + kv_head) * d;
+    for (int64_t g = 0; g < group; ++g) scores[g * n + t] = dot(q + g * d, k, d) * scale;
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    float* p = scores.data() + g * n;
+    const float inv_sum = 1.0f / exp_shifted(p, n, *std::max_element(p, p + n));
+    float* o = out + g * d;
+    std::fill(o, o + d, 0.0f);
+    for (int64_t t = 0; t < n; ++t) {
+      const float* v = v_cache + ((table[t / block_size] * block_size + t % block_size) * kv_heads + kv_head) * d;
+      const float w = p[t] * inv_sum;
+      for (int64_t i = 0; i < d; ++i) o[i] += w * v[i];
+    }
+  }
+}
+
+}  // namespace
+
+// out[b, h*d] = softmax(q[b, h] . K[b]^T * scale) V[b] for b < batch, with K[b], V[b] the
+// first context_lens[b] tokens of the blocks in block_tables[b]. q rows are q_stride apart,
+// each [heads, d] contiguous; the caches are one layer's [num_blocks, block_size, kv_heads, d].
+// Returns 0, or -1 (computing nothing) if a table or length points outside the cache.
+extern "C" int ladle_decode_attention(const float* q, int64_t q_stride, const float* k_cache, const float* v_cache,
+                                      int64_t num_blocks, const int64_t* block_tables, int64_t max_blocks,
+                                      const int64_t* context_lens, float* out, int64_t batch, int64_t heads,
+                                      int64_t kv_heads, int64_t d, int64_t block_size, float scale, int threads) {
+  const int64_t group = heads / kv_heads;
+  int64_t tokens = 0;
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t n = context_lens[b];
+    if (n < 1 || n > max_blocks * block_size) return -1;
+    for (int64_t i = 0; i < (n + block_size - 1) / block_size; ++i)
+      if (block_tables[b * max_blocks + i] < 0 || block_tables[b * max_blocks + i] >= num_blocks) return -1;
+    tokens += n;
+  }
+  // Short contexts take microseconds: a second thread would cost more than it saves.
+  if (tokens * kv_heads * d < (1 << 17)) threads = 1;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+  {
+    std::vector<float> scores;
+#pragma omp for schedule(dynamic)
+    for (int64_t task = 0; task < batch * kv_heads; ++task) {
+      const int64_t b = task / kv_heads, kv_head = task % kv_heads;
+      attend_group(q + b * q_stride + kv_head * group * d, k_cache, v_cache, block_tables + b * max_blocks,
+                   context_lens[b], kv_head, kv_heads, group, d, block_size, scale,
+                   out + (b * heads + kv_head * group) * d, scores);
+    }
+  }
+  return 0;
+}
+
+// cache[slots[t]] = rows[t] for t < count, for K and V: `width` floats per slot, source
+// rows k_stride / v_stride apart. Returns 0, or -1 (writing nothing) if a slot is not in
+// [0, num_slots).
+extern "C" int ladle_write_kv(const float* k, int64_t k_stride, const float* v, int64_t v_stride, float* k_cache,
+                              float* v_cache, int64_t num_slots, const int64_t* slots, int64_t count, int64_t width) {
+  for (int64_t t = 0; t < count; ++t)
+    if (slots[t] < 0 || slots[t] >= num_slots) return -1;
+  for (int64_t t = 0; t < count; ++t) {
+    std::memcpy(k_cache + slots[t] * width, k + t * k_stride, width * sizeof(float));
+    std::memcpy(v_cache + slots[t] * width, v + t * v_stride, width * sizeof(float));
+  }
+  return 0;
+}
+
+namespace {
+
+constexpr int64_t kRowsPerTask = 16;  // at most this many query rows of one sequence and KV head per task
+
+struct PromptTask {
+  int64_t seq, kv_head, first_row, rows;
+};
+
+// s[j] = scale * (q . key j) for the 8 keys at k, key_stride apart. Each dot product is
+// eight lane sums (fused multiply-adds over the dimensions, 8 at a time, in order) added in
+// a fixed tree: it depends on q and the key alone, never on what is computed beside it.
+void scores8(const float* q, const float* k, int64_t key_stride, int64_t d, float scale, float* s) {
+#ifdef __AVX2__
+  __m256 acc[8];
+  for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < d; i += 8) {
+    const __m256 qi = _mm256_loadu_ps(q + i);
+    for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(qi, _mm256_loadu_ps(k + j * key_stride + i), acc[j]);
+  }
+  const __m256 s0123 = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
+  const __m256 s4567 = _mm256_hadd_ps(_mm256_hadd_ps(acc[4], acc[5]), _mm256_hadd_ps(acc[6], acc[7]));
+  const __m256 sums = _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20),
+                                    _mm256_permute2f128_ps(s0123, s4567, 0x31));
+  _mm256_storeu_ps(s, _mm256_mul_ps(sums, _mm256_set1_ps(scale)));
+#else
+  for (int j = 0; j < 8; ++j) {
+    float acc = 0;
+    for (int64_t i = 0; i < d; ++i) acc = std::fma(q[i], k[j * key_stride + i], acc);
+    s[j] = acc * scale;
+  }
+#endif
+}
+
+// p[j] = exp(p[j] - max) for j < n, p[j] = 0 up to the next multiple of 8; returns the sum,
+// accumulated in 8 lanes in key order and then across lanes: fixed by n alone.
+float softmax_numerators(float* p, int64_t n) {
+#ifdef __AVX2__
+  __m256 maxes = _mm256_set1_ps(p[0]);  // a maximum is exact in any order
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) maxes = _mm256_max_ps(maxes, _mm256_loadu_ps(p + i));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, maxes);
+  float max = *std::max_element(lanes, lanes + 8);
+  for (; i < n; ++i) max = std::max(max, p[i]);
+  const __m256i first_lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t j = 0; j < n; j += 8) {
+    const __m256i lane = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(j)), first_lanes);
+    const __m256 live = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), lane));
+    const __m256 x = _mm256_and_ps(_mm256_sub_ps(_mm256_loadu_ps(p + j), _mm256_set1_ps(max)), live);
+    const __m256 e = _mm256_and_ps(exp_nonpositive(_mm256_min_ps(x, _mm256_setzero_ps())), live);
+    _mm256_storeu_ps(p + j, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  return hsum(acc);
+#else
+  const float max = *std::max_element(p, p + n);
+  float sum = 0;
+  for (int64_t j = 0; j < n; ++j) sum += (p[j] = std::exp(p[j] - max));
+  for (int64_t j = n; j % 8; ++j) p[j] = 0;
+  return sum;
+#endif
+}
+
+// o[0, 8 * W) += sum over the n keys of a block of w[j] * value j, key by key in order.
+template <int W>
+void add_weighted_values(const float* w, const float* v, int64_t value_stride, int64_t n, float* o) {
+#ifdef __AVX2__
+  __m256 acc[W];
+  for (int c = 0; c < W; ++c) acc[c] = _mm256_loadu_ps(o + 8 * c);
+  for (int64_t j = 0; j < n; ++j) {
+    const __m256 wj = _mm256_set1_ps(w[j]);
+    for (int c = 0; c < W; ++c) acc[c] = _mm256_fmadd_ps(wj, _mm256_loadu_ps(v + j * value_stride + 8 * c), acc[c]);
+  }
+  for (int c = 0; c < W; ++c) _mm256_storeu_ps(o + 8 * c, acc[c]);
+#else
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t i = 0; i < 8 * W; ++i) o[i] = std::fma(w[j], v[j * value_stride + i], o[i]);
+#endif
+}
+
+// The same over all d (a multiple of 8) dimensions, 64 at a time (8 registers of sums).
+void add_weighted_values(const float* w, const float* v, int64_t value_stride, int64_t n, int64_t d, float* o) {
+  int64_t i = 0;
+  for (; i + 64 <= d; i += 64) add_weighted_values<8>(w, v + i, value_stride, n, o + i);
+  switch ((d - i) / 8) {
+    case 7: return add_weighted_values<7>(w, v + i, value_stride, n, o + i);
+    case 6: return add_weighted_values<6>(w, v + i, value_stride, n, o + i);
+    case 5: return add_weighted_values<5>(w, v + i, value_stride, n, o + i);
+    case 4: return add_weighted_values<4>(w, v + i, value_stride, n, o + i);
+    case 3: return add_weighted_values<3>(w, v + i, value_stride, n, o + i);
+    case 2: return add_weighted_values<2>(w, v + i, value_stride, n, o + i);
+    case 1: return add_weighted_values<1>(w, v + i, value_stride, n, o + i);
+    default: return;
+  }
+}
+
+struct PromptScratch {
+  std::vector<float> scores, acc, inv_sum;
+};
+
+// One task: `rows` consecutive query rows of one sequence, all `group` query heads of one KV
+// head. Scores for every row first (block by block, so a block's keys stay in L1 for all
+// rows), then each row's softmax, then the values block by block.
+void attend_prompt_rows(const PromptTask& t, const float* q, int64_t q_stride, const float* k_cache,
+                        const float* v_cache, const int64_t* table, int64_t first_pos, int64_t heads,
+                        int64_t kv_heads, int64_t d, int64_t block_size, float scale, float* out,
+                        int64_t out_stride, PromptScratch& scratch) {
+  const int64_t group = heads / kv_heads, vectors = group * t.rows;
+  const int64_t last_pos = first_pos + t.rows - 1;
+  const int64_t blocks = last_pos / block_size + 1, width = blocks * block_size;
+  const int64_t key_stride = kv_heads * d;
+  scratch.scores.resize(vectors * width);
+  scratch.acc.assign(vectors * d, 0.0f);
+  // vector v: row v / group, head kv_head * group + v % group
+  auto query = [&](int64_t v) { return q + (t.first_row + v / group) * q_stride + (t.kv_head * group + v % group) * d; };
+  auto keys_of = [&](int64_t v) { return first_pos + v / group + 1; };  // causal: keys [0, pos]
+
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t start = b * block_size;
+    const float* k = k_cache + (table[b] * block_size * kv_heads + t.kv_head) * d;
+    const int64_t first_vector = std::max<int64_t>(0, start - first_pos) * group;  // rows that see this block
+    for (int64_t v = first_vector; v < vectors; ++v) {
+      const int64_t n = std::min(block_size, keys_of(v) - start);
+      for (int64_t j = 0; j < n; j += 8)
+        scores8(query(v), k + j * key_stride, key_stride, d, scale, scratch.scores.data() + v * width + start + j);
+    }
+  }
+  scratch.inv_sum.resize(vectors);
+  for (int64_t v = 0; v < vectors; ++v)
+    scratch.inv_sum[v] = 1.0f / softmax_numerators(scratch.scores.data() + v * width, keys_of(v));
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t start = b * block_size;
+    const float* values = v_cache + (table[b] * block_size * kv_heads + t.kv_head) * d;
+    const int64_t first_vector = std::max<int64_t>(0, start - first_pos) * group;
+    for (int64_t v = first_vector; v < vectors; ++v) {
+      const int64_t n = std::min(block_size, keys_of(v) - start);
+      add_weighted_values(scratch.scores.data() + v * width + start, values, key_stride, n, d,
+                          scratch.acc.data() + v * d);
+    }
+  }
+  for (int64_t v = 0; v < vectors; ++v) {
+    float* o = out + (t.first_row + v / group) * out_stride + (t.kv_head * group + v % group) * d;
+    const float* a = scratch.acc.data() + v * d;
+    for (int64_t i = 0; i < d; ++i) o[i] = a[i] * scratch.inv_sum[v];
+  }
+}
+
+}  // namespace
+
+// Causal attention for prompt rows. Sequence s owns rows [row_starts[s], row_starts[s] +
+// row_counts[s]) of q and out, at absolute positions first_positions[s] onwards; each row
+// attends to keys [0, its position] of the blocks in block_tables[s], which must already
+// hold this step's K/V. q rows are q_stride apart, each [heads, d]; out rows out_stride apart.
+// Returns 0; -1 (computing nothing) if a table or position points outside the cache; -2 if
+// d or block_size is not a multiple of 8.
+extern "C" int ladle_prompt_attention(const float* q, int64_t q_stride, const float* k_cache, const float* v_cache,
+                                      int64_t num_blocks, const int64_t* block_tables, int64_t max_blocks,
+                                      const int64_t* row_starts, const int64_t* row_counts,
+                                      const int64_t* first_positions, float* out, int64_t out_stride,
+                                      int64_t num_seqs, int64_t heads, int64_t kv_heads, int64_t d,
+                                      int64_t block_size, float scale, int threads) {
+  if (d % 8 || block_size % 8) return -2;
+  std::vector<PromptTask> tasks;
+  int64_t work = 0;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t end = first_positions[s] + row_counts[s];
+    if (first_positions[s] < 0 || row_counts[s] < 0 || end > max_blocks * block_size) return -1;
+    for (int64_t i = 0; i < (end + block_size - 1) / block_size; ++i)
+      if (block_tables[s * max_blocks + i] < 0 || block_tables[s * max_blocks + i] >= num_blocks) return -1;
+    const int64_t parts = (row_counts[s] + kRowsPerTask - 1) / kRowsPerTask;  // rows split evenly
+    for (int64_t p = 0; p < parts; ++p) {
+      const int64_t r0 = row_counts[s] * p / parts, r1 = row_counts[s] * (p + 1) / parts;
+      for (int64_t h = 0; h < kv_heads; ++h) tasks.push_back({s, h, row_starts[s] + r0, r1 - r0});
+    }
+    work += row_counts[s] * end;
+  }
+  if (work * heads * d < (1 << 17)) threads = 1;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+  {
+    PromptScratch scratch;
+#pragma omp for schedule(dynamic)
+    for (size_t i = 0; i < tasks.size(); ++i) {
+      const PromptTask& t = tasks[i];
+      attend_prompt_rows(t, q, q_stride, k_cache, v_cache, block_tables + t.seq * max_blocks,
+                         first_positions[t.seq] + (t.first_row - row_starts[t.seq]), heads, kv_heads, d, block_size,
+                         scale, out, out_stride, scratch);
+    }
+  }
+  return 0;
+}
