@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from ladle import LLM, SamplingParams
+from ladle.model.kernels import loader
 
 WORDS = ["alpha", "beta", "ticket", "failing", "integration", "billing", "server", "network"]
 
@@ -23,8 +24,20 @@ def text() -> str:
     return " ".join(rng.choice(WORDS) for _ in range(300))
 
 
+@pytest.fixture(params=["native", "torch"])
+def kernels(request, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Both attention paths: the native row-invariant kernel, and block-aligned tiles without it."""
+    if request.param == "torch":
+        monkeypatch.setenv("LADLE_NATIVE_KERNELS", "0")
+    loader.reset()
+    yield request.param
+    monkeypatch.undo()
+    loader.reset()
+
+
 @pytest.mark.parametrize("deterministic", [False, True])
-def test_scoring_is_bit_identical_cold_cached_and_batched(smollm2_dir: Path, text: str, deterministic: bool) -> None:
+def test_scoring_is_bit_identical_cold_cached_and_batched(smollm2_dir: Path, text: str, deterministic: bool,
+                                                          kernels: str) -> None:
     # A small token budget forces chunked prefill, so chunk boundaries differ run to run.
     llm = LLM(str(smollm2_dir), deterministic=deterministic, kv_cache_memory_gib=0.5, max_num_batched_tokens=200)
     labels = [llm.tokenizer.encode(x)[0] for x in ("A", "B")]
@@ -45,6 +58,25 @@ def test_scoring_is_bit_identical_cold_cached_and_batched(smollm2_dir: Path, tex
     partial = other.generate([question(llm, text, 0)], score)[0].outputs[0].label_logprobs
     assert (other.engine.kv.stats.hits - hits_before) % other.engine.config.block_size != 0
     assert partial == cold
+
+
+def test_scoring_never_reuses_blocks_that_generation_computed(smollm2_dir: Path, text: str) -> None:
+    """A chat caches the very prompt a question then scores: its blocks came from batched,
+    non-canonical arithmetic, so scoring recomputes them and matches a cold engine exactly."""
+    llm = LLM(str(smollm2_dir), kv_cache_memory_gib=0.5)
+    prompt = question(llm, text, 0)
+    labels = [llm.tokenizer.encode(x)[0] for x in ("A", "B")]
+    score = SamplingParams(label_token_ids=labels)
+    llm.generate([prompt, "Tell me a story."], SamplingParams(temperature=0.0, max_tokens=4))
+    assert llm.engine.kv.num_cached_blocks > 0
+    hits_before = llm.engine.kv.stats.hits
+    after_chat = llm.generate([prompt], score)[0].outputs[0].label_logprobs
+    assert llm.engine.kv.stats.hits == hits_before
+    cold = LLM(str(smollm2_dir), kv_cache_memory_gib=0.5).generate([prompt], score)[0].outputs[0].label_logprobs
+    assert after_chat == cold
+    hits_before = llm.engine.kv.stats.hits
+    assert llm.generate([prompt], score)[0].outputs[0].label_logprobs == cold  # now cached canonically
+    assert llm.engine.kv.stats.hits > hits_before
 
 
 def test_deterministic_generation_ignores_batch_neighbours(smollm2_dir: Path) -> None:

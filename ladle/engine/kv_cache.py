@@ -54,8 +54,8 @@ class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  cache_outputs: bool = True):
         self.block_size = block_size
-        # False in deterministic mode: generated tokens' K/V came from single-token decode
-        # steps, not the canonical tiled prefill that a later prompt would compute.
+        # False in deterministic mode: generated tokens' K/V came from single-token steps,
+        # which match a later prompt's prefill bit for bit only with the native kernels.
         self.cache_outputs = cache_outputs
         self.pool = BlockPool(num_blocks)
         self.cache = RadixCache(block_size) if enable_prefix_caching else None

@@ -23,14 +23,14 @@ class PrefillSpan:
     end: int  # one past the last row
     context_len: int  # tokens cached for the sequence once this chunk is written
     block_table: torch.Tensor  # int64 block ids covering context_len
-    # Batch-invariant: attend one block-aligned tile of queries at a time, so each token's
-    # result depends only on its sequence's tokens, never on chunking or batch.
-    tiled: bool = False
+    # Each token's result depends only on its sequence's tokens, never on chunking or batch
+    # (Sequence.canonical): the native prompt kernel, or block-aligned tiles without it.
+    canonical: bool = False
 
 
 @dataclass
-class TiledRows:
-    """The tiled spans of a step, packed for the native row-invariant prompt kernel."""
+class CanonicalRows:
+    """The canonical spans of a step, packed for the native row-invariant prompt kernel."""
 
     block_tables: torch.Tensor  # int64 [S, max_blocks]
     row_starts: torch.Tensor  # int64 [S]: first row of each span in the flat batch
@@ -38,7 +38,7 @@ class TiledRows:
     first_positions: torch.Tensor  # int64 [S]: absolute position of each span's first row
 
     @classmethod
-    def of(cls, spans: list[PrefillSpan]) -> "TiledRows":
+    def of(cls, spans: list[PrefillSpan]) -> "CanonicalRows":
         width = max(len(s.block_table) for s in spans)
         tables = torch.zeros(len(spans), width, dtype=torch.int64)
         for i, s in enumerate(spans):
@@ -61,7 +61,7 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None = None  # [B, 1, 1, max_blocks * block_size], True = attend
     decode_context_lens: torch.Tensor | None = None  # [B] int64: tokens each decode attends to
     prefills: list[PrefillSpan] = field(default_factory=list)
-    tiled: TiledRows | None = None  # the tiled spans of `prefills`, if any
+    canonical: CanonicalRows | None = None  # the canonical spans of `prefills`, if any
     batch_invariant: bool = False  # linear layers must give each row the same bits whatever the batch
 
 
@@ -139,14 +139,14 @@ class TorchPagedAttention:
         out = torch.empty(q.shape[0], self.num_heads * self.head_dim, dtype=q.dtype, device=q.device)
         if meta.num_decodes:
             out[: meta.num_decodes] = self._decode(layer, q[: meta.num_decodes], meta)
-        native = self._native(q) if meta.tiled is not None and self._prompt_kernel_ok else None
+        native = self._native(q) if meta.canonical is not None and self._prompt_kernel_ok else None
         for span in meta.prefills:
-            if span.tiled and native is None:
+            if span.canonical and native is None:
                 out[span.start : span.end] = self._tiles(layer, span, q, k, v)
-            elif not span.tiled:
+            elif not span.canonical:
                 out[span.start : span.end] = self._prefill(layer, span, q, k, v)
-        if native is not None:  # every tiled span in one call, each row computed on its own
-            rows = meta.tiled
+        if native is not None:  # every canonical span in one call, each row computed on its own
+            rows = meta.canonical
             native.prompt_attention(q, self.cache.k[layer], self.cache.v[layer], rows.block_tables, rows.row_starts,
                                     rows.row_counts, rows.first_positions, self.head_dim**-0.5, out)
         return out

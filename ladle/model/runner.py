@@ -13,7 +13,7 @@ import torch
 
 from ladle.engine.request import Sequence
 from ladle.engine.scheduler import ScheduledSeq
-from ladle.model.attention import AttentionMetadata, KVCache, PrefillSpan, TiledRows, TorchPagedAttention
+from ladle.model.attention import AttentionMetadata, CanonicalRows, KVCache, PrefillSpan, TorchPagedAttention
 from ladle.model.config import ModelConfig
 from ladle.model.llama import LlamaForCausalLM
 
@@ -75,11 +75,11 @@ class ModelRunner:
             seq = item.seq
             ctx = seq.num_computed_tokens + item.num_new_tokens
             table = torch.tensor(seq.block_table[: -(-ctx // self.block_size)], dtype=torch.int64)
-            meta.prefills.append(PrefillSpan(row, row + item.num_new_tokens, ctx, table, tiled=seq.canonical))
+            meta.prefills.append(PrefillSpan(row, row + item.num_new_tokens, ctx, table, canonical=seq.canonical))
             row += item.num_new_tokens
-        tiled = [span for span in meta.prefills if span.tiled]
-        if tiled:
-            meta.tiled = TiledRows.of(tiled)
+        canonical = [span for span in meta.prefills if span.canonical]
+        if canonical:
+            meta.canonical = CanonicalRows.of(canonical)
             meta.batch_invariant = True
         return meta
 
