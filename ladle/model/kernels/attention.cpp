@@ -186,6 +186,41 @@ void scores8(const float* q, const float* k, int64_t key_stride, int64_t d, floa
 #endif
 }
 
+// The same for two query vectors and 4 keys (each key load serves both vectors): the same
+// chain and the same tree per score, so the same bits as scores8.
+void scores4x2(const float* q0, const float* q1, const float* k, int64_t key_stride, int64_t d, float scale,
+               float* s0, float* s1) {
+#ifdef __AVX2__
+  __m256 acc[8];  // vector 0 with keys 0-3, then vector 1 with keys 0-3
+  for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < d; i += 8) {
+    const __m256 a = _mm256_loadu_ps(q0 + i), b = _mm256_loadu_ps(q1 + i);
+    for (int j = 0; j < 4; ++j) {
+      const __m256 kj = _mm256_loadu_ps(k + j * key_stride + i);
+      acc[j] = _mm256_fmadd_ps(a, kj, acc[j]);
+      acc[4 + j] = _mm256_fmadd_ps(b, kj, acc[4 + j]);
+    }
+  }
+  const __m256 s0123 = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
+  const __m256 s4567 = _mm256_hadd_ps(_mm256_hadd_ps(acc[4], acc[5]), _mm256_hadd_ps(acc[6], acc[7]));
+  const __m256 sums = _mm256_mul_ps(_mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20),
+                                                  _mm256_permute2f128_ps(s0123, s4567, 0x31)),
+                                    _mm256_set1_ps(scale));
+  _mm_storeu_ps(s0, _mm256_castps256_ps128(sums));
+  _mm_storeu_ps(s1, _mm256_extractf128_ps(sums, 1));
+#else
+  for (int j = 0; j < 4; ++j) {
+    float a = 0, b = 0;
+    for (int64_t i = 0; i < d; ++i) {
+      a = std::fma(q0[i], k[j * key_stride + i], a);
+      b = std::fma(q1[i], k[j * key_stride + i], b);
+    }
+    s0[j] = a * scale;
+    s1[j] = b * scale;
+  }
+#endif
+}
+
 // p[j] = exp(p[j] - max) for j < n, p[j] = 0 up to the next multiple of 8; returns the sum,
 // accumulated in 8 lanes in key order and then across lanes: fixed by n alone.
 float softmax_numerators(float* p, int64_t n) {
@@ -275,11 +310,16 @@ void attend_prompt_rows(const PromptTask& t, const float* q, int64_t q_stride, c
     const int64_t start = b * block_size;
     const float* k = k_cache + (table[b] * block_size * kv_heads + t.kv_head) * d;
     const int64_t first_vector = std::max<int64_t>(0, start - first_pos) * group;  // rows that see this block
-    for (int64_t v = first_vector; v < vectors; ++v) {
-      const int64_t n = std::min(block_size, keys_of(v) - start);
-      for (int64_t j = 0; j < n; j += 8)
-        scores8(query(v), k + j * key_stride, key_stride, d, scale, scratch.scores.data() + v * width + start + j);
+    auto scores = [&](int64_t v) { return scratch.scores.data() + v * width + start; };
+    int64_t v = first_vector;
+    for (; v + 1 < vectors; v += 2) {  // in pairs; v + 1 sees at least as many keys as v
+      const int64_t n = std::min(block_size, keys_of(v + 1) - start);
+      for (int64_t j = 0; j < n; j += 4)
+        scores4x2(query(v), query(v + 1), k + j * key_stride, key_stride, d, scale, scores(v) + j, scores(v + 1) + j);
     }
+    if (v < vectors)
+      for (int64_t j = 0; j < std::min(block_size, keys_of(v) - start); j += 8)
+        scores8(query(v), k + j * key_stride, key_stride, d, scale, scores(v) + j);
   }
   scratch.inv_sum.resize(vectors);
   for (int64_t v = 0; v < vectors; ++v)
