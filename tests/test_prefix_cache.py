@@ -10,6 +10,7 @@ import pytest
 from ladle import LLM, SamplingParams
 from ladle.engine.kv_cache import KVCacheManager
 from ladle.engine.request import Sequence
+from ladle.engine.scheduler import common_prefix_len
 from tiny_models import build_tiny_model
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -83,6 +84,47 @@ def test_concurrent_identical_prompts_share_blocks(tiny_llama: Path) -> None:
     outs = llm.generate([prompt] * 4, GREEDY)
     assert len({tuple(o.outputs[0].token_ids) for o in outs}) == 1
     assert_no_leak(llm)
+
+
+def test_requests_arriving_together_share_a_prefix_in_flight(tiny_llama: Path) -> None:
+    """Four prompts with a common 61-token start, submitted at once: the first computes the
+    start, the others join in the same step on its blocks (the partial eighth block's 5
+    tokens copied layer by layer as they are written) and compute only their own ends."""
+    rng = random.Random(7)
+    start = ids(rng, 61)
+    prompts = [start + ids(rng, 9) for _ in range(4)]
+    llm = LLM(str(tiny_llama), block_size=8)
+    together = [r.outputs[0].token_ids for r in llm.generate(prompts, GREEDY)]
+    assert llm.engine.stats.steps == GREEDY.max_tokens  # all four admitted in the first step
+    assert llm.engine.kv.stats.hits == 3 * 61  # each later prompt skipped the whole shared start
+    alone = [LLM(str(tiny_llama), block_size=8, enable_prefix_caching=False).generate([p], GREEDY)[0]
+             for p in prompts]
+    assert together == [r.outputs[0].token_ids for r in alone]
+    assert_no_leak(llm)
+
+
+def test_scoring_in_flight_shares_are_bit_identical(tiny_llama: Path) -> None:
+    """Scoring prompts submitted together (so later ones start on blocks the first is still
+    computing) give exactly the log-probabilities each gets alone on a cold engine."""
+    rng = random.Random(8)
+    start = ids(rng, 45)
+    prompts = [start + ids(rng, 6 + i) for i in range(5)]
+    params = SamplingParams(label_token_ids=[5, 6, 7])
+    llm = LLM(str(tiny_llama), block_size=16)
+    together = [r.outputs[0].label_logprobs for r in llm.generate(prompts, params)]
+    assert llm.engine.stats.steps == 1 and llm.engine.kv.stats.hits == 4 * 45
+    for prompt, got in zip(prompts, together):
+        cold = LLM(str(tiny_llama), block_size=16).generate([prompt], params)[0].outputs[0].label_logprobs
+        assert got == cold
+    assert_no_leak(llm)
+
+
+def test_common_prefix_len() -> None:
+    a = list(range(100))
+    assert common_prefix_len(a, a, 40) == 40
+    assert common_prefix_len(a, a[:30] + [-1] + a[31:], 100) == 30
+    assert common_prefix_len(a, [-1] + a[1:], 100) == 0
+    assert common_prefix_len(a, a[:10], 100) == 10
 
 
 def test_radix_tree_bookkeeping() -> None:

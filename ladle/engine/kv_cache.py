@@ -125,6 +125,30 @@ class KVCacheManager:
         seq.pending_copy = (source.block_id, block, shared)
         seq.num_computed_tokens += shared
 
+    def share_in_flight(self, seq: Sequence, source: Sequence, num_tokens: int) -> int:
+        """Restart seq (just matched, not yet run) on the first num_tokens tokens of source,
+        a sequence this step computes at least that far: its full blocks are shared as they
+        are, and the tokens of the last, partial one are copied during the step (the runner
+        copies each layer once the step has written it). Returns the tokens seq now skips."""
+        full, rest = divmod(num_tokens, self.block_size)
+        blocks = source.block_table[:full]
+        for b in blocks:  # before seq lets go of its own, so none of them can be evicted meanwhile
+            self._ref(b)
+        self.free(seq)
+        if rest and self.num_free_blocks == 0:  # no block to copy into: share the full blocks only
+            rest = 0
+        seq.block_table = list(blocks)
+        seq.num_cached_blocks = 0
+        if self.cache is not None:
+            while seq.num_cached_blocks < full and self.cache.contains_block(blocks[seq.num_cached_blocks]):
+                seq.num_cached_blocks += 1
+        if rest:
+            block = self._take_block()
+            seq.block_table.append(block)
+            seq.in_step_copy = (source.block_table[full], block, rest)
+        seq.num_computed_tokens = full * self.block_size + rest
+        return seq.num_computed_tokens
+
     def record_lookup(self, seq: Sequence, hit_tokens: int) -> None:
         self.stats.queries += seq.num_tokens
         self.stats.hits += hit_tokens
@@ -182,7 +206,7 @@ class KVCacheManager:
             self._unref(b)
         seq.block_table = []
         seq.num_cached_blocks = 0
-        seq.pending_copy = None
+        seq.pending_copy = seq.in_step_copy = None
 
     def _ref(self, block_id: int) -> None:
         if self.pool.ref(block_id) and self.cache is not None and self.cache.contains_block(block_id):

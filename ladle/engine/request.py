@@ -58,6 +58,10 @@ class Sequence:
     # (source block, destination block, tokens): K/V the runner copies before this
     # sequence's first forward, when its prompt shares only part of a cached block.
     pending_copy: tuple[int, int, int] | None = None
+    # (source block, destination block, tokens) the runner copies layer by layer during
+    # this step's forward, right after the step wrote them: the sequence shares the start
+    # of a prompt another sequence computes in the same step.
+    in_step_copy: tuple[int, int, int] | None = None
     generator: "torch.Generator | None" = None
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None

@@ -39,6 +39,7 @@ class _StepPlan:
     budget: int
     planned: dict[int, ScheduledSeq] = field(default_factory=dict)
     out: SchedulerOutput = field(default_factory=SchedulerOutput)
+    sources: set[int] = field(default_factory=set)  # sequences others share in-flight blocks of: never preempted
 
     def add(self, seq: Sequence, n: int) -> None:
         self.planned[seq.seq_id] = ScheduledSeq(seq, n)
@@ -95,7 +96,7 @@ class Scheduler:
                 if self._preempt_for(seq, plan):
                     continue
                 break
-            hit = self.kv.match_prefix(seq)
+            hit = self._share_in_flight(seq, plan, self.kv.match_prefix(seq))
             n = self._chunk(seq, plan.budget)
             if n == 0 or not self.kv.allocate_slots(seq, n):
                 self.kv.free(seq)
@@ -111,6 +112,27 @@ class Scheduler:
             self.running.append(seq)
             plan.add(seq, n)
 
+    def _share_in_flight(self, seq: Sequence, plan: _StepPlan, hit: int) -> int:
+        """Start seq further on when a sequence this step computes shares more of its prompt
+        than the prefix cache holds (requests sharing a prefix that arrive together: the
+        first computes it, the others join in the same step). Returns the tokens skipped."""
+        if not self.config.enable_prefix_caching or seq.params.prompt_logprobs is not None:
+            return hit
+        best, best_len = None, hit
+        for item in plan.planned.values():
+            src = item.seq
+            if seq.canonical and not src.canonical:
+                continue
+            end = min(src.num_computed_tokens + item.num_new_tokens, seq.num_tokens - 1)
+            if not self.kv.cache_outputs:  # generated tokens' K/V may not match a prompt's
+                end = min(end, src.num_prompt_tokens)
+            if end > best_len and (n := common_prefix_len(seq.token_ids, src.token_ids, end)) > best_len:
+                best, best_len = src, n
+        if best is None:
+            return hit
+        plan.sources.add(best.seq_id)
+        return self.kv.share_in_flight(seq, best, best_len)
+
     def _order_waiting(self) -> None:
         if self.config.scheduling_policy == "lpm":
             # Longest cached prefix first; ties in arrival order.
@@ -121,9 +143,10 @@ class Scheduler:
 
     def _preempt_for(self, seq: Sequence, plan: _StepPlan) -> bool:
         """Priority policy: make room for seq by preempting a less urgent running sequence."""
-        if self.config.scheduling_policy != "priority" or not self.running:
+        candidates = [s for s in self.running if s.seq_id not in plan.sources]
+        if self.config.scheduling_policy != "priority" or not candidates:
             return False
-        victim = max(self.running, key=self._urgency)
+        victim = max(candidates, key=self._urgency)
         if self._urgency(victim) <= self._urgency(seq):
             return False
         self._preempt(victim, plan)
@@ -172,3 +195,18 @@ class Scheduler:
             self.waiting.remove(seq)
         self.kv.free(seq)
         seq.status = SeqStatus.FINISHED
+
+
+def common_prefix_len(a: list[int], b: list[int], limit: int) -> int:
+    """How many leading tokens a and b share, at most limit."""
+    n = min(limit, len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]: halve, comparing slices at C speed
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo

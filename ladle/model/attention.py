@@ -62,10 +62,14 @@ class AttentionMetadata:
     decode_context_lens: torch.Tensor | None = None  # [B] int64: tokens each decode attends to
     prefills: list[PrefillSpan] = field(default_factory=list)
     canonical: CanonicalRows | None = None  # the canonical spans of `prefills`, if any
+    # (source block, destination block, tokens) to copy in each layer once this step's K/V
+    # are written: sequences starting on blocks that other sequences compute in this step
+    in_step_copies: list[tuple[int, int, int]] = field(default_factory=list)
     batch_invariant: bool = False  # linear layers must give each row the same bits whatever the batch
 
 
 class AttentionBackend(Protocol):
+    # Writes this step's K/V, then performs meta.in_step_copies, before any attend().
     def write_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None: ...
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor: ...
@@ -127,10 +131,13 @@ class TorchPagedAttention:
         native = self._native(k, v)
         if native is not None:  # a copy per token, where index_copy_ costs several microseconds
             native.write_kv(k, v, self.cache.k[layer], self.cache.v[layer], meta.slot_mapping)
-            return
-        flat = (-1, self.num_kv_heads, self.head_dim)
-        self.cache.k[layer].view(flat).index_copy_(0, meta.slot_mapping, k)
-        self.cache.v[layer].view(flat).index_copy_(0, meta.slot_mapping, v)
+        else:
+            flat = (-1, self.num_kv_heads, self.head_dim)
+            self.cache.k[layer].view(flat).index_copy_(0, meta.slot_mapping, k)
+            self.cache.v[layer].view(flat).index_copy_(0, meta.slot_mapping, v)
+        for src, dst, n in meta.in_step_copies:  # in order: a source may itself be a destination
+            self.cache.k[layer, dst, :n] = self.cache.k[layer, src, :n]
+            self.cache.v[layer, dst, :n] = self.cache.v[layer, src, :n]
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, KVH, D] (this step's tokens, already in the cache). Returns [T, H*D]."""

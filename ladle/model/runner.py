@@ -53,7 +53,10 @@ class ModelRunner:
             table = seq.block_table
             slots.extend(table[p // self.block_size] * self.block_size + p % self.block_size for p in pos)
         meta = self._metadata(batch, torch.tensor(slots, dtype=torch.int64))
+        meta.in_step_copies = [item.seq.in_step_copy for item in batch if item.seq.in_step_copy is not None]
         hidden = self.model.forward(torch.tensor(input_ids), torch.tensor(positions), meta)
+        for item in batch:
+            item.seq.in_step_copy = None
         return self._logits(batch, hidden, meta.batch_invariant)
 
     def _metadata(self, batch: list[ScheduledSeq], slots: torch.Tensor) -> AttentionMetadata:
