@@ -18,6 +18,7 @@ from ladle.engine.request import CompletionDelta, Sequence, StepOutput, TokenLog
 from ladle.engine.sampling_params import SamplingParams
 from ladle.engine.scheduler import Scheduler
 from ladle.engine.stop import OutputTextTracker
+from ladle.engine.threads import claim_compute
 from ladle.errors import InvalidRequestError
 from ladle.model.attention import KVCache
 from ladle.model.config import ModelConfig
@@ -41,8 +42,7 @@ class EngineStats:
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
+        claim_compute(config.num_threads)  # the offline LLM computes on this thread
         folder = resolve_model_path(config.model)
         self.model_path = folder
         self.model_config = ModelConfig.from_folder(folder)

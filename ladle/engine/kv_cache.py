@@ -96,11 +96,15 @@ class KVCacheManager:
         # At least the last token is always computed, so the step has logits to sample from.
         return (seq.num_tokens - 1) // self.block_size
 
+    def reuses_prefix(self, seq: Sequence) -> bool:
+        """Whether seq may start on K/V other sequences computed (cached or in flight)."""
+        return self.cache is not None and seq.params.prompt_logprobs is None  # those need every position
+
     def match_prefix(self, seq: Sequence) -> int:
         """Start a fresh sequence on its longest cached prefix; returns the tokens skipped."""
         assert not seq.block_table and seq.num_computed_tokens == 0
-        if self.cache is None or seq.params.prompt_logprobs is not None:
-            return 0  # prompt logprobs need every prompt position computed
+        if not self.reuses_prefix(seq):
+            return 0
         path = self.cache.match(seq.token_ids, self._max_match_blocks(seq), canonical_only=seq.canonical)
         for node in path:
             self._ref(node.block_id)

@@ -116,7 +116,7 @@ class Scheduler:
         """Start seq further on when a sequence this step computes shares more of its prompt
         than the prefix cache holds (requests sharing a prefix that arrive together: the
         first computes it, the others join in the same step). Returns the tokens skipped."""
-        if not self.config.enable_prefix_caching or seq.params.prompt_logprobs is not None:
+        if not self.kv.reuses_prefix(seq):
             return hit
         best, best_len = None, hit
         for item in plan.planned.values():

@@ -30,7 +30,7 @@ def release_openmp_team() -> None:
 
 
 def claim_compute(num_threads: int | None) -> None:
-    """Call on the engine thread before its first step."""
+    """Set the thread count (if configured) for the calling thread, the one that will step."""
     if num_threads:
         torch.set_num_threads(num_threads)
 

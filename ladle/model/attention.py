@@ -28,6 +28,14 @@ class PrefillSpan:
     canonical: bool = False
 
 
+def padded_block_tables(tables: list[list[int]] | list[torch.Tensor]) -> torch.Tensor:
+    """int64 [len(tables), longest]: each table, zero-padded (padding is never read)."""
+    out = torch.zeros(len(tables), max(map(len, tables)), dtype=torch.int64)
+    for i, table in enumerate(tables):
+        out[i, : len(table)] = torch.as_tensor(table)
+    return out
+
+
 @dataclass
 class CanonicalRows:
     """The canonical spans of a step, packed for the native row-invariant prompt kernel."""
@@ -39,10 +47,7 @@ class CanonicalRows:
 
     @classmethod
     def of(cls, spans: list[PrefillSpan]) -> "CanonicalRows":
-        width = max(len(s.block_table) for s in spans)
-        tables = torch.zeros(len(spans), width, dtype=torch.int64)
-        for i, s in enumerate(spans):
-            tables[i, : len(s.block_table)] = s.block_table
+        tables = padded_block_tables([s.block_table for s in spans])
         return cls(tables, torch.tensor([s.start for s in spans]), torch.tensor([s.end - s.start for s in spans]),
                    torch.tensor([s.context_len - (s.end - s.start) for s in spans]))
 

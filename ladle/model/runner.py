@@ -13,7 +13,9 @@ import torch
 
 from ladle.engine.request import Sequence
 from ladle.engine.scheduler import ScheduledSeq
-from ladle.model.attention import AttentionMetadata, CanonicalRows, KVCache, PrefillSpan, TorchPagedAttention
+from ladle.model.attention import (
+    AttentionMetadata, CanonicalRows, KVCache, PrefillSpan, TorchPagedAttention, padded_block_tables,
+)
 from ladle.model.config import ModelConfig
 from ladle.model.llama import LlamaForCausalLM
 
@@ -64,11 +66,8 @@ class ModelRunner:
         decodes = [s.seq for s in batch if self._is_decode(s)]
         if decodes:
             ctx = torch.tensor([s.num_computed_tokens + 1 for s in decodes])
-            width = max(len(s.block_table) for s in decodes)
-            tables = torch.zeros(len(decodes), width, dtype=torch.int64)
-            for i, s in enumerate(decodes):
-                tables[i, : len(s.block_table)] = torch.tensor(s.block_table)
-            keys = torch.arange(width * self.block_size)
+            tables = padded_block_tables([s.block_table for s in decodes])
+            keys = torch.arange(tables.shape[1] * self.block_size)
             meta.num_decodes = len(decodes)
             meta.decode_block_tables = tables
             meta.decode_mask = (keys[None, :] < ctx[:, None])[:, None, None, :]
