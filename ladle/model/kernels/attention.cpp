@@ -9,7 +9,7 @@
 // began), so a prompt scored cold, from a cached prefix or inside any batch gives
 // bit-identical outputs. Scoring and --deterministic rely on it.
 
-#include <immintrin.h>
+#include "simd.h"
 
 #include <algorithm>
 #include <cmath>
@@ -20,13 +20,6 @@
 namespace {
 
 #ifdef __AVX2__
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
 // e^x for x <= 0 (softmax after subtracting the max): Cephes' expf, within 2 ulp.
 inline __m256 exp_nonpositive(__m256 x) {
   x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));

@@ -5,7 +5,7 @@
 // sequential stretch of W. IEEE arithmetic, no -ffast-math: a fixed sequence of FMAs
 // per output, with no contraction beyond the FMAs written here.
 
-#include <immintrin.h>
+#include "simd.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -22,15 +22,6 @@ constexpr int kRowBlock = 8;
 constexpr int kInputGroup = 2;
 // Below this many weight elements, waking the second core costs more than it saves.
 constexpr int64_t kParallelMin = 1 << 15;
-
-#ifdef __AVX2__
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-#endif
 
 // y[g * ldy] = dot(w, x[g]) + b for one weight row and G input rows; 4 accumulators per
 // input row hide the FMA latency.
