@@ -55,7 +55,6 @@ class ModelRunner:
             table = seq.block_table
             slots.extend(table[p // self.block_size] * self.block_size + p % self.block_size for p in pos)
         meta = self._metadata(batch, torch.tensor(slots, dtype=torch.int64))
-        meta.in_step_copies = [item.seq.in_step_copy for item in batch if item.seq.in_step_copy is not None]
         hidden = self.model.forward(torch.tensor(input_ids), torch.tensor(positions), meta)
         for item in batch:
             item.seq.in_step_copy = None
@@ -63,6 +62,7 @@ class ModelRunner:
 
     def _metadata(self, batch: list[ScheduledSeq], slots: torch.Tensor) -> AttentionMetadata:
         meta = AttentionMetadata(slot_mapping=slots)
+        meta.in_step_copies = [item.seq.in_step_copy for item in batch if item.seq.in_step_copy is not None]
         decodes = [s.seq for s in batch if self._is_decode(s)]
         if decodes:
             ctx = torch.tensor([s.num_computed_tokens + 1 for s in decodes])
