@@ -6,6 +6,7 @@ each with transformers' `generate` on that prompt alone.
 
 from __future__ import annotations
 
+import weakref
 from pathlib import Path
 
 import pytest
@@ -49,15 +50,17 @@ def smollm2_llm(smollm2_gguf_llm_factory) -> LLM:
     return smollm2_gguf_llm_factory()
 
 
-_HF_CACHE: dict[tuple, list[int]] = {}
+# Per model, dropped with it: an id() key could be reused by the next module's model.
+_HF_CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def hf_greedy(model, prompt_ids: list[int], n: int) -> list[int]:
     """transformers' greedy continuation, computed once per model and prompt."""
-    key = (id(model), tuple(prompt_ids), n)
-    if key not in _HF_CACHE:
-        _HF_CACHE[key] = _hf_greedy(model, prompt_ids, n)
-    return _HF_CACHE[key]
+    cache = _HF_CACHE.setdefault(model, {})
+    key = (tuple(prompt_ids), n)
+    if key not in cache:
+        cache[key] = _hf_greedy(model, prompt_ids, n)
+    return cache[key]
 
 
 def _hf_greedy(model, prompt_ids: list[int], n: int) -> list[int]:
