@@ -25,10 +25,17 @@ class EngineConfig:
     num_threads: int | None = None  # torch intra-op threads; None: torch's default
     seed: int = 0  # for requests without their own seed
     deterministic: bool = False  # batch-invariant numerics: same bits cold or cached, alone or batched
+    dtype: str = "auto"  # compute dtype: auto (bf16 where the CPU computes it natively and faster), float32, ...
+    kv_cache_dtype: str = "auto"  # auto follows the compute dtype
 
     def __post_init__(self) -> None:
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}")
+        from ladle.model.dtype import canonical_name  # validates the names early, with a clear message
+
+        canonical_name(self.dtype)
+        if self.kv_cache_dtype != "auto":
+            canonical_name(self.kv_cache_dtype)
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.block_size < 1:
             raise ValueError("max_num_seqs, max_num_batched_tokens and block_size must be positive")
 
@@ -59,6 +66,11 @@ def add_engine_arguments(parser) -> None:
     g.add_argument("--deterministic", action="store_true",
                    help="batch-invariant numerics: a prompt's logits are bit-identical cold or cached, "
                         "alone or batched (slower attention)")
+    g.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16", "float", "half"),
+                   help="compute dtype; auto: bfloat16 where the CPU computes it natively and faster "
+                        "(AMX-BF16, or AVX512-BF16 if a start-up measurement says so), else float32")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+                   help="KV cache dtype; auto follows --dtype")
 
 
 def engine_config_from_args(args) -> EngineConfig:
@@ -69,5 +81,5 @@ def engine_config_from_args(args) -> EngineConfig:
         kv_cache_memory_gib=args.kv_cache_memory_gib, num_kv_blocks=args.num_kv_blocks,
         scheduling_policy=args.scheduling_policy, enable_prefix_caching=args.enable_prefix_caching,
         max_waiting_requests=args.max_waiting_requests, num_threads=args.num_threads, seed=args.seed,
-        deterministic=args.deterministic,
+        deterministic=args.deterministic, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
     )

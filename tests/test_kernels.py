@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from ladle.model import kernels
 from ladle.model.kernels import loader
-from ladle.model.layers import BATCH_INVARIANT_MIN_ROWS, Linear, rms_norm
+from ladle.model.layers import BATCH_INVARIANT_ROWS, Linear, rms_norm
 
 
 @pytest.fixture(scope="module")
@@ -218,39 +218,46 @@ def test_attention_kernels_refuse_indices_outside_the_cache(native) -> None:
 
 def test_linear_routes_small_batches_to_the_kernel(native, monkeypatch: pytest.MonkeyPatch) -> None:
     native = kernels.native_kernels()  # the instance Linear will use
-    calls = []
-    real = native.linear
+    calls, canonical_calls = [], []
+    real, real_canonical = native.linear, native.canonical_linear
 
     def spy(x, w, b=None):
         calls.append(x.shape[0])
         return real(x, w, b)
 
+    def canonical_spy(x, packed, n, b=None):
+        canonical_calls.append(x.shape[0])
+        return real_canonical(x, packed, n, b)
+
     monkeypatch.setattr(native, "linear", spy)
+    monkeypatch.setattr(native, "canonical_linear", canonical_spy)
     gen = torch.Generator().manual_seed(2)
     lin = Linear(torch.randn(96, 64, generator=gen), torch.randn(96, generator=gen))
-    for rows in (1, kernels.MAX_ROWS, kernels.MAX_ROWS + 1, 3 * BATCH_INVARIANT_MIN_ROWS):
+    for rows in (1, kernels.MAX_ROWS, kernels.MAX_ROWS + 1, 3 * BATCH_INVARIANT_ROWS):
         x = torch.randn(rows, 64, generator=gen)
         assert relative_error(lin(x), reference(x, lin.weight, lin.bias)) < 1e-4
         assert relative_error(lin(x, batch_invariant=True), reference(x, lin.weight, lin.bias)) < 1e-4
-    assert calls == [1, kernels.MAX_ROWS]  # larger batches and batch-invariant calls stay on MKL
+    assert calls == [1, kernels.MAX_ROWS]  # larger batches stay on MKL
+    assert canonical_calls == [1, kernels.MAX_ROWS, kernels.MAX_ROWS + 1, 3 * BATCH_INVARIANT_ROWS]
     assert lin.nbytes == 96 * 64 * 4
 
 
 def test_disabled_by_environment(fresh_loader, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LADLE_NATIVE_KERNELS", "0")
-    monkeypatch.setattr(loader, "_build", lambda: pytest.fail("disabled kernels must not be built"))
+    monkeypatch.setattr(loader, "_build", lambda isa: pytest.fail("disabled kernels must not be built"))
     assert kernels.native_kernels() is None
     gen = torch.Generator().manual_seed(3)
     lin = Linear(torch.randn(33, 576, generator=gen))
     x = torch.randn(2, 576, generator=gen)
     assert relative_error(lin(x), reference(x, lin.weight, None)) < 1e-4
+    assert relative_error(lin(x, batch_invariant=True), reference(x, lin.weight, None)) < 1e-4
     norm = torch.randn(576, generator=gen)
     assert torch.equal(rms_norm(x, norm, 1e-6), F.rms_norm(x, (576,), norm, 1e-6))
 
 
 def test_failed_build_warns_once_and_falls_back(fresh_loader, monkeypatch: pytest.MonkeyPatch,
                                                 caplog: pytest.LogCaptureFixture) -> None:
-    def no_compiler() -> str:
+    def no_compiler(isa: str) -> str:
         raise RuntimeError("Error building extension 'ladle_kernels'\nc++: not found")
 
     monkeypatch.setenv("LADLE_NATIVE_KERNELS", "1")

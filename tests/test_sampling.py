@@ -92,7 +92,7 @@ def test_penalty_arithmetic_matches_vllm() -> None:
     import torch
 
     from ladle.engine.request import Sequence
-    from ladle.model.sampler import Sampler
+    from ladle.engine.sampler import Sampler
 
     params = SamplingParams(repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25)
     seq = Sequence(seq_id=0, request_id="r", index=0, token_ids=[1, 2, 3, 3, 3], num_prompt_tokens=2,

@@ -128,6 +128,7 @@ class AsyncEngine:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
+        self.runtime_info = engine.runtime_info()
         self.vocab_size = engine.model_config.vocab_size
         self.max_waiting_requests = engine.config.max_waiting_requests  # None: no bound
         self.num_rejected = 0  # requests refused with QueueFullError

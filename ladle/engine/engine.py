@@ -21,10 +21,12 @@ from ladle.engine.stop import OutputTextTracker
 from ladle.engine.threads import claim_compute
 from ladle.errors import InvalidRequestError
 from ladle.model.attention import KVCache
+from ladle.model import kernels
 from ladle.model.config import ModelConfig
+from ladle.model.dtype import DTYPES, canonical_name, choose_dtype
 from ladle.model.loader import load_weights, resolve_model_path
-from ladle.model.runner import ModelRunner
-from ladle.model.sampler import Sampler, token_logprob
+from ladle.engine.runner import ModelRunner
+from ladle.engine.sampler import Sampler, token_logprob
 from ladle.model.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger("ladle")
@@ -48,6 +50,13 @@ class LLMEngine:
         self.model_config = ModelConfig.from_folder(folder)
         self.tokenizer = Tokenizer.from_folder(folder)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.model_config.eos_token_ids)
+        self.dtype = choose_dtype(config.dtype)
+        kv_name = self.dtype.name if config.kv_cache_dtype == "auto" else canonical_name(config.kv_cache_dtype)
+        self.kv_dtype = DTYPES[kv_name]
+        native = kernels.native_kernels()
+        self.isa = native.isa if native is not None else "torch"
+        log.info("compute dtype %s (%s); KV cache %s; native kernels: %s", self.dtype.name, self.dtype.reason,
+                 kv_name, self.isa)
         num_blocks = self._num_blocks()
         pool_tokens = num_blocks * config.block_size
         model_len = config.max_model_len or self.model_config.max_position_embeddings
@@ -57,17 +66,24 @@ class LLMEngine:
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
                                  cache_outputs=not config.deterministic)
         self.scheduler = Scheduler(config, self.kv)
-        self.runner = ModelRunner(self.model_config, load_weights(folder), num_blocks, config.block_size)
+        self.runner = ModelRunner(self.model_config, load_weights(folder, self.dtype.dtype), num_blocks,
+                                  config.block_size, self.kv_dtype)
         self.sampler = Sampler(config.seed)
         self.requests: dict[str, list[Sequence]] = {}
         self.stats = EngineStats()
         self._seq_ids = itertools.count()
 
+    def runtime_info(self) -> dict[str, str]:
+        """How this engine computes on this machine, and why (the start log and /version)."""
+        return {"dtype": self.dtype.name, "dtype_reason": self.dtype.reason,
+                "kv_cache_dtype": str(self.kv_dtype).removeprefix("torch."), "kernels": self.isa}
+
     def _num_blocks(self) -> int:
         if self.config.num_kv_blocks:
             return self.config.num_kv_blocks
         c = self.model_config
-        per_block = KVCache.bytes_per_block(c.num_hidden_layers, self.config.block_size, c.num_key_value_heads, c.head_dim)
+        per_block = KVCache.bytes_per_block(c.num_hidden_layers, self.config.block_size, c.num_key_value_heads,
+                                            c.head_dim, self.kv_dtype.itemsize)
         return max(1, int(self.config.kv_cache_memory_gib * 2**30) // per_block)
 
     # -- requests -------------------------------------------------------------

@@ -111,7 +111,10 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.devic
         return torch.zeros(shape, dtype=dtype, device=device)
     import numpy as np
 
-    return torch.from_numpy(np.zeros(shape, dtype=np.float32)).to(dtype)
+    # numpy has no bfloat16: allocate its bits as uint16 and view them
+    raw = np.zeros(shape, dtype={torch.float32: np.float32, torch.float16: np.float16}.get(dtype, np.uint16))
+    tensor = torch.from_numpy(raw)
+    return tensor if tensor.dtype == dtype else tensor.view(dtype)
 
 
 class TorchPagedAttention:

@@ -11,17 +11,20 @@ import torch.nn.functional as F
 from ladle.model import kernels
 
 
-# fp32 matmuls on CPU (MKL) give a row the same bits whatever else shares the call
-# once a call has at least this many rows; smaller calls take other kernels.
-BATCH_INVARIANT_MIN_ROWS = 16
+# Without the native kernels, batch-invariant matmuls run through torch in calls of exactly
+# this many rows (padded): one call shape, so the library picks one kernel. Weaker than
+# the native canonical kernel, which fixes each output's reduction order by construction.
+BATCH_INVARIANT_ROWS = 16
 
 
 class Linear:
-    """y = x W^T + b, with W kept as it comes, [out, in] and contiguous.
+    """y = x W^T + b, with W kept as it comes, [out, in] and contiguous, in the model's dtype.
 
-    Up to `kernels.MAX_ROWS` rows (decode steps) go to the native kernel, which streams
-    each weight row once on all cores; MKL's small-row paths read weights at half that
-    speed. Larger batches, and batch-invariant calls, stay on MKL via F.linear.
+    Three paths. Up to `kernels.MAX_ROWS` float32 rows (decode steps) go to the native
+    small-row kernel, which streams each weight row once on all cores. Batch-invariant
+    calls (canonical sequences) go to the native canonical kernel: one fixed FMA chain per
+    output, so a row's bits never depend on what shares the call (weights packed into its
+    panel layout on first use). Everything else goes to torch (MKL, oneDNN for bf16).
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
@@ -30,19 +33,35 @@ class Linear:
         self.out_features, self.in_features = weight.shape
         fp32_cpu = [t.dtype == torch.float32 and t.device.type == "cpu" for t in (weight, bias) if t is not None]
         self._native_ok = all(fp32_cpu)
+        self._panels: torch.Tensor | None = None  # the canonical kernel's copy of W
+        self._bias32 = None if bias is None else self.bias.float()
 
     def __call__(self, x: torch.Tensor, batch_invariant: bool = False) -> torch.Tensor:
         rows = x.shape[0]
         if batch_invariant:
-            if rows < BATCH_INVARIANT_MIN_ROWS:
-                padded = x.new_zeros(BATCH_INVARIANT_MIN_ROWS, x.shape[1])
-                padded[:rows] = x
-                return F.linear(padded, self.weight, self.bias)[:rows]
-        elif rows <= kernels.MAX_ROWS and self._native_ok and self._native_input(x):
+            return self._canonical(x)
+        if rows <= kernels.MAX_ROWS and self._native_ok and self._native_input(x):
             native = kernels.native_kernels()
             if native is not None:
                 return native.linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
+
+    def _canonical(self, x: torch.Tensor) -> torch.Tensor:
+        native = kernels.native_kernels() if x.is_cpu and x.dim() == 2 and x.stride(1) == 1 else None
+        if native is None:
+            return self._fixed_shape(x)
+        if self._panels is None:
+            # bf16 panels are read as they are; fp16 is widened once (exact) to fp32 panels
+            w = self.weight if self.weight.dtype in (torch.float32, torch.bfloat16) else self.weight.float()
+            self._panels = native.pack_panels(w)
+        y = native.canonical_linear(x.float(), self._panels, self.out_features, self._bias32)
+        return y if x.dtype == torch.float32 else y.to(x.dtype)
+
+    def _fixed_shape(self, x: torch.Tensor) -> torch.Tensor:
+        rows, step = x.shape[0], BATCH_INVARIANT_ROWS
+        padded = x.new_zeros(-(-rows // step) * step, x.shape[1])
+        padded[:rows] = x
+        return torch.cat([F.linear(chunk, self.weight, self.bias) for chunk in padded.split(step)])[:rows]
 
     def _native_input(self, x: torch.Tensor) -> bool:
         return _native_operand(x) and x.shape[1] == self.in_features
@@ -59,6 +78,11 @@ def _native_operand(x: torch.Tensor, dim: int = 2) -> bool:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.dtype != torch.float32:
+        # as transformers computes it in reduced precision: normalise in fp32, round, then scale
+        xf = x.float()
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * normed.to(x.dtype)
     # Native for any number of rows, not just decode steps: a row then gets the same bits
     # whatever its batch, as batch-invariant mode needs.
     if _native_operand(x) and _native_operand(weight, dim=1) and weight.shape[0] == x.shape[1]:

@@ -69,7 +69,7 @@ class LlamaForCausalLM:
         """input_ids, positions: [T]. Returns the final normed hidden states [T, hidden]."""
         inv = meta.batch_invariant
         h = F.embedding(input_ids, self.embed)
-        rope = self.rotary.tables(positions)
+        rope = tuple(t.to(h.dtype) for t in self.rotary.tables(positions))  # as transformers rounds them
         for i, layer in enumerate(self.layers):
             h = h + self._attention(i, layer, rms_norm(h, layer.input_norm, self.cfg.rms_norm_eps), rope, meta)
             x = rms_norm(h, layer.post_attn_norm, self.cfg.rms_norm_eps)
@@ -97,4 +97,5 @@ class LlamaForCausalLM:
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor, batch_invariant: bool = False) -> torch.Tensor:
-        return self.lm_head(hidden, batch_invariant)
+        """float32 logits, whatever the compute dtype."""
+        return self.lm_head(hidden, batch_invariant).float()

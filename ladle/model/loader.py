@@ -64,8 +64,9 @@ def resolve_model_path(model: str | Path | None) -> Path:
     return convert_gguf(path, out)
 
 
-def load_weights(folder: Path) -> dict[str, torch.Tensor]:
-    """All tensors of the *.safetensors files in `folder` (sharded or not), as float32, with HF names."""
+def load_weights(folder: Path, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """All tensors of the *.safetensors files in `folder` (sharded or not), in `dtype` (default
+    float32), with HF names."""
     import torch
     from safetensors import safe_open
 
@@ -76,5 +77,5 @@ def load_weights(folder: Path) -> dict[str, torch.Tensor]:
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
-                weights[name] = f.get_tensor(name).to(torch.float32)
+                weights[name] = f.get_tensor(name).to(dtype or torch.float32)
     return weights

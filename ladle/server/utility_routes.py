@@ -79,8 +79,8 @@ async def health(request: Request) -> Response:
 
 
 @router.get("/version")
-async def version() -> Response:
-    return JSONResponse({"version": __version__})
+async def version(request: Request) -> Response:
+    return JSONResponse({"version": __version__, **get_context(request).engine.runtime_info})
 
 
 @router.get("/v1/engine/stats")

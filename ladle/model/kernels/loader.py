@@ -1,8 +1,11 @@
 """Builds the C++ kernels next to this file into one library and calls them through ctypes.
 
-Compiled with torch.utils.cpp_extension on first use (about a second: the sources
-include no torch headers) into the ladle cache. LADLE_NATIVE_KERNELS=0 turns them off;
-any failure to build or load logs one warning and leaves callers on their torch paths.
+Compiled with torch.utils.cpp_extension on first use (a few seconds: the sources
+include no torch headers) into the ladle cache, once per instruction set: `avx512`
+(AVX-512F and what the host adds), `avx2` (AVX2 + FMA) or `scalar`. The best one the
+CPU runs is chosen at start-up; LADLE_ISA=avx2 (or scalar) forces a lower one, so the
+fallbacks are tested on any machine. LADLE_NATIVE_KERNELS=0 turns the kernels off; any
+failure to build or load logs one warning and leaves callers on their torch paths.
 """
 
 from __future__ import annotations
@@ -23,6 +26,9 @@ import torch
 logger = logging.getLogger(__name__)
 
 MAX_ROWS = 32  # rows (tokens) up to which Linear takes the kernel: decode batches; prefills stay on MKL
+ISAS = ("avx512", "avx2", "scalar")  # best first
+# Compiler flags per instruction set: the host's own (-march=native) with the higher sets masked off.
+_ISA_FLAGS = {"avx512": [], "avx2": ["-mno-avx512f"], "scalar": ["-mno-avx"]}
 _SOURCES = sorted(Path(__file__).parent.glob("*.cpp"))
 _lock = threading.Lock()
 _loaded = False
@@ -52,6 +58,33 @@ class NativeKernels:
         self._write_kv = lib.ladle_write_kv
         self._write_kv.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, ptr, i64, i64]
         self._write_kv.restype = ctypes.c_int
+        self._pack_panels = lib.ladle_pack_panels
+        self._pack_panels.argtypes = [ptr, ptr, i64, i64, ctypes.c_int]
+        self._pack_panels.restype = None
+        self._canonical_linear = lib.ladle_canonical_linear
+        self._canonical_linear.argtypes = [ptr, i64, ptr, ctypes.c_int, ptr, ptr, i64, i64, i64, ctypes.c_int]
+        self._canonical_linear.restype = None
+        lib.ladle_isa.restype = ctypes.c_char_p
+        self.isa: str = lib.ladle_isa().decode()
+
+    def pack_panels(self, weight: torch.Tensor) -> torch.Tensor:
+        """weight [out, in] (float32 or bfloat16, contiguous) in the canonical kernel's layout:
+        16-column panels, [ceil(out / 16), in, 16], zero-padded."""
+        n, k = weight.shape
+        out = torch.empty(-(-n // 16), k, 16, dtype=weight.dtype)
+        self._pack_panels(weight.data_ptr(), out.data_ptr(), n, k, int(weight.dtype == torch.bfloat16))
+        return out
+
+    def canonical_linear(self, x: torch.Tensor, packed: torch.Tensor, out_features: int,
+                         bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x[M, in] (float32, rows may be strided) @ W^T (+ bias) for W packed by `pack_panels`,
+        each output a fixed chain of FMAs in input order: a row's bits never depend on M."""
+        rows, k = x.shape
+        y = torch.empty(rows, out_features, dtype=torch.float32)
+        self._canonical_linear(x.data_ptr(), x.stride(0), packed.data_ptr(), int(packed.dtype == torch.bfloat16),
+                               None if bias is None else bias.data_ptr(), y.data_ptr(), rows, k, out_features,
+                               torch.get_num_threads())
+        return y
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x[M, in] @ weight[out, in]^T (+ bias), each weight row read once for all M rows."""
@@ -115,6 +148,47 @@ def enabled() -> bool:
     return os.environ.get("LADLE_NATIVE_KERNELS", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
+def requested_isa() -> str:
+    """LADLE_ISA: `auto` (the best the CPU runs) or one of ISAS."""
+    isa = os.environ.get("LADLE_ISA", "auto").strip().lower() or "auto"
+    if isa not in ("auto",) + ISAS:
+        raise ValueError(f"LADLE_ISA must be auto or one of {ISAS}, not {isa!r}")
+    return isa
+
+
+def cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return set(next((line for line in f if line.startswith("flags")), "").split(":")[-1].split())
+    except OSError:
+        return set()
+
+
+def supported_isas(flags: set[str] | None = None) -> list[str]:
+    """The instruction sets of ISAS this CPU runs, best first (x86 only; elsewhere just scalar)."""
+    flags = cpu_flags() if flags is None else flags
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return ["scalar"]
+    isas = ["scalar"] if "avx" in flags else []
+    if {"avx2", "fma"} <= flags:
+        isas.insert(0, "avx2")
+    if {"avx512f", "avx512bw", "avx512vl"} <= flags:
+        isas.insert(0, "avx512")
+    return isas or ["scalar"]
+
+
+def chosen_isa() -> str:
+    """The instruction set the kernels are built for: LADLE_ISA if the CPU runs it, else the best."""
+    supported = supported_isas()
+    isa = requested_isa()
+    if isa == "auto":
+        return supported[0]
+    if isa not in supported:
+        logger.warning("LADLE_ISA=%s: this CPU does not run it; using %s", isa, supported[0])
+        return supported[0]
+    return isa
+
+
 def native_kernels() -> NativeKernels | None:
     """The kernels, built on the first call; None if disabled or they could not be built."""
     global _loaded, _kernels
@@ -133,29 +207,24 @@ def reset() -> None:
         _loaded, _kernels = False, None
 
 
-def build_dir() -> Path:
-    """Under the ladle cache, per torch version and CPU: the library is built for the host's instruction set."""
+def build_dir(isa: str | None = None) -> Path:
+    """Under the ladle cache, per torch version, CPU and instruction set."""
     root = os.environ.get("LADLE_CACHE_DIR")
     base = Path(root).expanduser() if root else Path.home() / ".cache" / "ladle"
-    return base / "kernels" / f"torch{torch.__version__}-{_cpu_tag()}"
+    return base / "kernels" / f"torch{torch.__version__}-{_cpu_tag()}-{isa or chosen_isa()}"
 
 
 def _cpu_tag() -> str:
-    flags = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        pass
-    return hashlib.sha1(f"{platform.machine()} {flags}".encode()).hexdigest()[:12]
+    return hashlib.sha1(f"{platform.machine()} {' '.join(sorted(cpu_flags()))}".encode()).hexdigest()[:12]
 
 
 def _load() -> NativeKernels | None:
     try:
         start = time.perf_counter()
-        kernels = NativeKernels(ctypes.CDLL(_build()))
+        isa = chosen_isa()
+        kernels = NativeKernels(ctypes.CDLL(_build(isa)))
         _check(kernels)
-        logger.info("native kernels ready in %.1f s", time.perf_counter() - start)
+        logger.info("native kernels (%s) ready in %.1f s", kernels.isa, time.perf_counter() - start)
         return kernels
     except Exception as e:  # no compiler, no ninja, a wrong answer: torch still works
         first_line = (str(e).strip().splitlines() or [""])[0]
@@ -163,23 +232,23 @@ def _load() -> NativeKernels | None:
         return None
 
 
-def _build() -> str:
+def _build(isa: str) -> str:
     from torch.utils import cpp_extension
 
     _find_ninja()
-    directory = build_dir()
+    directory = build_dir(isa)
     directory.mkdir(parents=True, exist_ok=True)
     path = cpp_extension.load(
-        name="ladle_kernels",
+        name=f"ladle_kernels_{isa}",
         sources=[str(s) for s in _SOURCES],
         # -ffp-contract=off: no fused multiply-adds the source did not ask for, so plain loops stay IEEE
-        extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"],
+        extra_cflags=["-O3", "-march=native", *_ISA_FLAGS[isa], "-ffp-contract=off", "-fopenmp"],
         extra_ldflags=["-fopenmp"],
         build_directory=str(directory),
         is_python_module=False,
     )
     if not isinstance(path, str):  # documented to return nothing; torch 2.13 returns the path
-        path = str(directory / "ladle_kernels.so")
+        path = str(directory / f"ladle_kernels_{isa}.so")
     return path
 
 
@@ -206,5 +275,7 @@ def _check(kernels: NativeKernels) -> None:
     k, v = torch.cat([k_cache[1], k_cache[0]])[:6, 0], torch.cat([v_cache[1], v_cache[0]])[:6, 0]
     expect = torch.softmax(q[0] @ k.T * 8**-0.5, dim=-1) @ v
     close &= torch.allclose(out, expect.reshape(1, 16), rtol=1e-5, atol=1e-6)
+    y = kernels.canonical_linear(x, kernels.pack_panels(w), 13, b)
+    close &= torch.allclose(y, torch.nn.functional.linear(x, w, b), rtol=1e-4, atol=1e-4)
     if not close:
         raise RuntimeError("self-check against torch failed")

@@ -1,0 +1,87 @@
+"""The compute dtype: what `--dtype auto|float32|bfloat16|float16` resolves to on this CPU, and why.
+
+bf16 halves the bytes every decode step reads, but only pays where the CPU multiplies
+it natively: AMX-BF16 runs bf16 matmuls several times faster than fp32, while
+AVX512-BF16 alone may not beat AVX-512 fp32, and without either bf16 is emulated at
+about 1 GFLOP/s. So `auto` takes bf16 on AMX, measures on AVX512-BF16, and stays
+fp32 elsewhere.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ladle.model.kernels.loader import cpu_flags
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+ALIASES = {"auto": "auto", "float": "float32", "fp32": "float32", "float32": "float32", "bf16": "bfloat16",
+           "bfloat16": "bfloat16", "half": "float16", "fp16": "float16", "float16": "float16"}
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+# Hardware that computes each reduced dtype natively; without it torch emulates it slowly.
+NATIVE_FLAGS = {"bfloat16": ("amx_bf16", "avx512_bf16"), "float16": ("amx_fp16", "avx512_fp16")}
+MIN_SPEEDUP = 1.2  # auto takes bf16 without AMX only if its matmuls measure at least this much faster
+
+
+@dataclass(frozen=True)
+class DtypeChoice:
+    name: str  # float32, bfloat16 or float16
+    reason: str  # one line for the start log and /version
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return DTYPES[self.name]
+
+
+def canonical_name(dtype: str) -> str:
+    name = ALIASES.get(dtype.strip().lower())
+    if name is None:
+        raise ValueError(f"dtype must be one of {DTYPE_CHOICES}, not {dtype!r}")
+    return name
+
+
+def choose_dtype(requested: str = "auto", flags: set[str] | None = None) -> DtypeChoice:
+    """Resolve `requested` for this CPU; warns when an explicit reduced dtype has no hardware behind it."""
+    name = canonical_name(requested)
+    flags = cpu_flags() if flags is None else flags
+    if name == "auto":
+        return _auto(flags)
+    if name == "float32":
+        return DtypeChoice(name, "requested")
+    native = [f for f in NATIVE_FLAGS[name] if f in flags]
+    if native:
+        return DtypeChoice(name, f"requested; the CPU computes it natively ({', '.join(native)})")
+    reason = (f"requested, but this CPU has no native {name} ({' or '.join(NATIVE_FLAGS[name])}): its matmuls are "
+              "emulated, typically 10-100x slower than float32")
+    logger.warning("--dtype %s: %s", name, reason)
+    return DtypeChoice(name, reason)
+
+
+def _auto(flags: set[str]) -> DtypeChoice:
+    if "amx_bf16" in flags:
+        return DtypeChoice("bfloat16", "auto: the CPU has AMX-BF16")
+    if "avx512_bf16" not in flags:
+        return DtypeChoice("float32", "auto: no native bf16 on this CPU (no AMX-BF16 or AVX512-BF16)")
+    fp32, bf16 = matmul_gflops(torch.float32), matmul_gflops(torch.bfloat16)
+    measured = f"bf16 matmul {bf16:.0f} GFLOP/s against fp32 {fp32:.0f}"
+    if bf16 >= MIN_SPEEDUP * fp32:
+        return DtypeChoice("bfloat16", f"auto: AVX512-BF16, {measured}")
+    return DtypeChoice("float32", f"auto: AVX512-BF16 without AMX, {measured}: fp32 is faster here")
+
+
+def matmul_gflops(dtype: torch.dtype, m: int = 256, k: int = 1024, n: int = 1024, seconds: float = 0.05) -> float:
+    """A prefill-sized matmul's speed in `dtype` on this machine (about `seconds`, after a warm-up)."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    w = torch.randn(n, k, generator=gen).to(dtype)
+    torch.nn.functional.linear(x, w)
+    runs, start = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - start) < seconds or runs < 2:
+        torch.nn.functional.linear(x, w)
+        runs += 1
+    return 2 * m * k * n * runs / elapsed / 1e9

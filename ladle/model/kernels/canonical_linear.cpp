@@ -1,0 +1,215 @@
+// y[M, N] = x[M, K] @ W^T (+ bias) with one fixed reduction order per output element:
+//
+//     acc = 0;  for k in 0..K-1: acc = fma(x[m, k], w[n, k], acc);  y[m, n] = acc + bias[n]
+//
+// Vector lanes run across output columns and rows are independent accumulators, so
+// blocking, threading, the number of rows in the call and the instruction set change
+// only which elements are computed together, never the operations that produce one.
+// A row therefore gets the same bits alone, in any batch and on AVX-512, AVX2 or the
+// scalar path. Canonical sequences (scoring, --deterministic) rely on it.
+//
+// W is packed once at load into panels of 16 columns: panel p holds w[16p + j, k] at
+// [p][k][j] (float32 or bfloat16 bits, columns past N zero), so the inner loop reads
+// one contiguous line of W per k.
+
+#include "simd.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+namespace {
+
+constexpr int64_t kPanel = 16;  // columns per packed panel
+constexpr int64_t kRowBlock = 96;  // rows whose x stays in L2 while W panels stream past
+
+inline float bf16_to_float(uint16_t h) {
+  uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+template <typename W>
+inline float weight_at(const W* p, int64_t i) {
+  if constexpr (sizeof(W) == 2) return bf16_to_float(p[i]);
+  else return p[i];
+}
+
+// The reference order, one element at a time: every vector path must agree with it bit for bit.
+template <typename W>
+void tile_scalar(const float* x, int64_t ldx, const W* panel, int64_t k, int64_t rows, int64_t cols, float* c) {
+  for (int64_t m = 0; m < rows; ++m)
+    for (int64_t j = 0; j < cols; ++j) {
+      float acc = 0.0f;
+      for (int64_t i = 0; i < k; ++i) acc = std::fma(x[m * ldx + i], weight_at(panel, i * kPanel + j), acc);
+      c[m * kPanel + j] = acc;
+    }
+}
+
+#if defined(__AVX512F__)
+constexpr int kTileRows = 12;  // 12 rows x 2 panels = 24 zmm accumulators
+constexpr int kTilePanels = 2;
+
+template <typename W>
+inline __m512 load_panel(const W* p) {
+  if constexpr (sizeof(W) == 2)
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+  else return _mm512_loadu_ps(p);
+}
+
+// R rows x P panels over all k; c[m][P * 16] receives the sums.
+template <int R, int P, typename W>
+void tile(const float* x, int64_t ldx, const W* panels, int64_t panel_stride, int64_t k, float* c) {
+  __m512 acc[R][P];
+  for (int r = 0; r < R; ++r)
+    for (int p = 0; p < P; ++p) acc[r][p] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < k; ++i) {
+    __m512 w[P];
+    for (int p = 0; p < P; ++p) w[p] = load_panel(panels + p * panel_stride + i * kPanel);
+    for (int r = 0; r < R; ++r) {
+      const __m512 xv = _mm512_set1_ps(x[r * ldx + i]);
+      for (int p = 0; p < P; ++p) acc[r][p] = _mm512_fmadd_ps(xv, w[p], acc[r][p]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int p = 0; p < P; ++p) _mm512_storeu_ps(c + r * P * kPanel + p * kPanel, acc[r][p]);
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+constexpr int kTileRows = 6;  // 6 rows x 2 ymm (one panel) = 12 accumulators
+constexpr int kTilePanels = 1;
+
+template <typename W>
+inline void load_panel(const W* p, __m256& lo, __m256& hi) {
+  if constexpr (sizeof(W) == 2) {
+    const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p));
+    const __m256i g = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(p + 8)));
+    lo = _mm256_castsi256_ps(_mm256_slli_epi32(h, 16));
+    hi = _mm256_castsi256_ps(_mm256_slli_epi32(g, 16));
+  } else {
+    lo = _mm256_loadu_ps(p);
+    hi = _mm256_loadu_ps(p + 8);
+  }
+}
+
+template <int R, int P, typename W>
+void tile(const float* x, int64_t ldx, const W* panels, int64_t, int64_t k, float* c) {
+  static_assert(P == 1, "AVX2 tiles are one panel wide");
+  __m256 lo[R], hi[R];
+  for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < k; ++i) {
+    __m256 wl, wh;
+    load_panel(panels + i * kPanel, wl, wh);
+    for (int r = 0; r < R; ++r) {
+      const __m256 xv = _mm256_broadcast_ss(x + r * ldx + i);
+      lo[r] = _mm256_fmadd_ps(xv, wl, lo[r]);
+      hi[r] = _mm256_fmadd_ps(xv, wh, hi[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(c + r * kPanel, lo[r]);
+    _mm256_storeu_ps(c + r * kPanel + 8, hi[r]);
+  }
+}
+#else
+constexpr int kTileRows = 4;
+constexpr int kTilePanels = 1;
+
+template <int R, int P, typename W>
+void tile(const float* x, int64_t ldx, const W* panels, int64_t, int64_t k, float* c) {
+  tile_scalar(x, ldx, panels, k, R, kPanel, c);
+}
+#endif
+
+// Dispatches a tile of `rows` (<= kTileRows) rows to the instantiation for that count.
+template <int P, typename W, int R = kTileRows>
+void tile_rows(int64_t rows, const float* x, int64_t ldx, const W* panels, int64_t panel_stride, int64_t k,
+               float* c) {
+  if constexpr (R > 0) {
+    if (rows == R) return tile<R, P>(x, ldx, panels, panel_stride, k, c);
+    return tile_rows<P, W, R - 1>(rows, x, ldx, panels, panel_stride, k, c);
+  }
+}
+
+// Columns [16 * first_panel, 16 * end_panel) of rows [m0, m1).
+template <typename W>
+void column_range(const float* x, int64_t ldx, const W* wp, const float* bias, float* y, int64_t ldy, int64_t m0,
+                  int64_t m1, int64_t k, int64_t n, int64_t first_panel, int64_t end_panel) {
+  const int64_t panel_stride = k * kPanel;
+  alignas(64) float c[kTileRows * kTilePanels * kPanel];
+  for (int64_t p = first_panel; p < end_panel; p += kTilePanels) {
+    const int panels = static_cast<int>(std::min<int64_t>(kTilePanels, end_panel - p));
+    const W* w = wp + p * panel_stride;
+    for (int64_t m = m0; m < m1; m += kTileRows) {
+      const int64_t rows = std::min<int64_t>(kTileRows, m1 - m);
+      if (panels == kTilePanels) tile_rows<kTilePanels>(rows, x + m * ldx, ldx, w, panel_stride, k, c);
+      else tile_rows<1>(rows, x + m * ldx, ldx, w, panel_stride, k, c);
+      const int64_t width = panels * kPanel;
+      const int64_t col0 = p * kPanel, cols = std::min<int64_t>(width, n - col0);
+      for (int64_t r = 0; r < rows; ++r) {
+        float* out = y + (m + r) * ldy + col0;
+        const float* sums = c + r * width;
+        for (int64_t j = 0; j < cols; ++j) out[j] = bias ? sums[j] + bias[col0 + j] : sums[j];
+      }
+    }
+  }
+}
+
+template <typename W>
+void canonical_linear(const float* x, int64_t ldx, const W* wp, const float* bias, float* y, int64_t m, int64_t k,
+                      int64_t n, int threads) {
+  const int64_t panels = (n + kPanel - 1) / kPanel;
+  const int64_t tiles = (panels + kTilePanels - 1) / kTilePanels;
+  if (m * n * k < (int64_t(1) << 18)) threads = 1;
+  threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, tiles)));
+#pragma omp parallel num_threads(threads) if (threads > 1)
+  {
+#ifdef _OPENMP
+    const int t = omp_get_thread_num();
+#else
+    const int t = 0;
+#endif
+    const int64_t first = tiles * t / threads * kTilePanels;
+    const int64_t end = std::min(panels, tiles * (t + 1) / threads * kTilePanels);
+    for (int64_t m0 = 0; m0 < m; m0 += kRowBlock)
+      column_range(x, ldx, wp, bias, y, n, m0, std::min(m, m0 + kRowBlock), k, n, first, end);
+  }
+}
+
+}  // namespace
+
+// Packs w[n, k] (float32 if bf16 == 0, else bfloat16 bits) into 16-column panels:
+// out must hold ceil(n / 16) * 16 * k elements of the same type.
+extern "C" void ladle_pack_panels(const void* w, void* out, int64_t n, int64_t k, int bf16) {
+  const int64_t panels = (n + kPanel - 1) / kPanel;
+  const int64_t size = bf16 ? 2 : 4;
+  auto* dst = static_cast<char*>(out);
+  const auto* src = static_cast<const char*>(w);
+  std::memset(dst, 0, panels * kPanel * k * size);
+  for (int64_t col = 0; col < n; ++col)
+    for (int64_t i = 0; i < k; ++i)
+      std::memcpy(dst + ((col / kPanel) * k * kPanel + i * kPanel + col % kPanel) * size, src + (col * k + i) * size,
+                  size);
+}
+
+// y[m, n] (row stride n) = x[m, k] (row stride ldx) @ W^T (+ bias), W packed by ladle_pack_panels.
+extern "C" void ladle_canonical_linear(const float* x, int64_t ldx, const void* packed, int bf16, const float* bias,
+                                       float* y, int64_t m, int64_t k, int64_t n, int threads) {
+  if (bf16) canonical_linear(x, ldx, static_cast<const uint16_t*>(packed), bias, y, m, k, n, threads);
+  else canonical_linear(x, ldx, static_cast<const float*>(packed), bias, y, m, k, n, threads);
+}
+
+// The instruction set this library was built for, as the loader reports it.
+extern "C" const char* ladle_isa() {
+#if defined(__AVX512F__)
+  return "avx512";
+#elif defined(__AVX2__)
+  return "avx2";
+#else
+  return "scalar";
+#endif
+}

@@ -1,0 +1,126 @@
+"""The canonical matmul: one fixed FMA chain per output element, so a row's bits never depend
+on the rows beside it, the call's size or the instruction set. Checked against float64 and
+against the scalar definition, on every instruction set this CPU runs (LADLE_ISA forces each)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from fractions import Fraction
+
+import numpy as np
+
+import pytest
+import torch
+
+from ladle.model import kernels
+from ladle.model.kernels import loader
+from ladle.model.layers import Linear
+
+SHAPES = [(37, 5), (64, 40), (576, 960), (1536, 576), (300, 1001)]  # (in, out): panel tails, odd k
+
+
+@pytest.fixture(params=loader.supported_isas())
+def isa_kernels(request, monkeypatch: pytest.MonkeyPatch) -> Iterator[kernels.NativeKernels]:
+    if not loader.enabled():
+        pytest.skip("LADLE_NATIVE_KERNELS=0 in the environment")
+    monkeypatch.setenv("LADLE_ISA", request.param)
+    loader.reset()
+    k = kernels.native_kernels()
+    assert k is not None and k.isa == request.param
+    yield k
+    monkeypatch.undo()
+    loader.reset()
+
+
+def operands(k: int, n: int, dtype: torch.dtype, rows: int = 40):
+    gen = torch.Generator().manual_seed(k * 1000 + n)
+    w = torch.randn(n, k, generator=gen).to(dtype)
+    return torch.randn(rows, k, generator=gen), w, torch.randn(n, generator=gen)
+
+
+def to_float32(exact: Fraction) -> float:
+    """`exact` rounded to the nearest float32 (ties to even), without double rounding."""
+    d = float(exact)  # correctly rounded to float64
+    f = np.float32(d)
+    other = np.nextafter(f, np.float32(np.inf if d > f else -np.inf), dtype=np.float32)
+    if (float(f) + float(other)) / 2 == d and Fraction(d) != exact:  # a float64 tie that exact is not
+        f = max(f, other) if exact > d else min(f, other)
+    return float(f)
+
+
+def fma_chain(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, row: int, col: int) -> float:
+    """The definition, one element: acc = fma(x, w, acc) in input order, each step rounded once
+    to float32 from the exact value; then + bias."""
+    acc = 0.0
+    for xi, wi in zip(x[row].tolist(), w[col].float().tolist()):
+        acc = to_float32(Fraction(xi) * Fraction(wi) + Fraction(acc))
+    return to_float32(Fraction(acc) + Fraction(b[col].item()))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_matches_float64_and_is_row_invariant(isa_kernels, shape, dtype) -> None:
+    k, n = shape
+    x, w, b = operands(k, n, dtype)
+    packed = isa_kernels.pack_panels(w)
+    y = isa_kernels.canonical_linear(x, packed, n, b)
+    ref = x.double() @ w.double().T + b.double()
+    assert ((y.double() - ref).abs().max() / ref.abs().max()).item() < 1e-5
+    for rows in (1, 2, 5, 12, 13, 25, 40):  # every tile tail and more than one row block
+        assert torch.equal(isa_kernels.canonical_linear(x[:rows], packed, n, b), y[:rows]), rows
+    for row in (0, 17):  # a row alone, out of place
+        assert torch.equal(isa_kernels.canonical_linear(x[row : row + 1], packed, n, b), y[row : row + 1])
+
+
+def test_is_the_fma_chain_itself(isa_kernels) -> None:
+    x, w, b = operands(61, 19, torch.float32, rows=3)
+    y = isa_kernels.canonical_linear(x, isa_kernels.pack_panels(w), 19, b)
+    for row, col in ((0, 0), (1, 16), (2, 18)):
+        assert y[row, col].item() == fma_chain(x, w, b, row, col)
+
+
+def test_same_bits_on_every_instruction_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    if not loader.enabled():
+        pytest.skip("LADLE_NATIVE_KERNELS=0 in the environment")
+    x, w, b = operands(576, 960, torch.float32, rows=20)
+    results = {}
+    for isa in loader.supported_isas():
+        monkeypatch.setenv("LADLE_ISA", isa)
+        loader.reset()
+        native = kernels.native_kernels()
+        results[isa] = native.canonical_linear(x, native.pack_panels(w), 960, b)
+    loader.reset()
+    first = next(iter(results.values()))
+    assert all(torch.equal(y, first) for y in results.values()), list(results)
+
+
+def test_strided_rows_and_bf16_activations(isa_kernels) -> None:
+    x, w, b = operands(64, 40, torch.bfloat16)
+    wide = torch.randn(40, 100)
+    wide[:, 10:74] = x
+    lin = Linear(w, b.to(torch.bfloat16))
+    strided = lin(wide[:, 10:74], batch_invariant=True)
+    assert strided.dtype == torch.float32 and torch.equal(strided, lin(x.contiguous(), batch_invariant=True))
+    y16 = lin(x.to(torch.bfloat16), batch_invariant=True)
+    assert y16.dtype == torch.bfloat16
+    assert torch.equal(y16[3:4], lin(x[3:4].to(torch.bfloat16), batch_invariant=True))
+
+
+def test_requested_isa_the_cpu_lacks_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(loader, "supported_isas", lambda flags=None: ["avx2", "scalar"])
+    monkeypatch.setenv("LADLE_ISA", "avx512")
+    assert loader.chosen_isa() == "avx2"
+    monkeypatch.setenv("LADLE_ISA", "scalar")
+    assert loader.chosen_isa() == "scalar"
+    monkeypatch.setenv("LADLE_ISA", "sse9")
+    with pytest.raises(ValueError, match="LADLE_ISA"):
+        loader.chosen_isa()
+
+
+def test_supported_isas_follow_the_cpu_flags() -> None:
+    if loader.platform.machine() != "x86_64":
+        pytest.skip("x86 flags")
+    assert loader.supported_isas({"avx", "avx2", "fma"}) == ["avx2", "scalar"]
+    assert loader.supported_isas({"avx", "avx2", "fma", "avx512f", "avx512bw", "avx512vl"}) == [
+        "avx512", "avx2", "scalar"]
+    assert loader.supported_isas({"sse4_2"}) == ["scalar"]
