@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 
 SCHEDULING_POLICIES = ("fcfs", "priority", "lpm")
 
@@ -25,7 +26,9 @@ class EngineConfig:
     num_threads: int | None = None  # torch intra-op threads; None: torch's default
     seed: int = 0  # for requests without their own seed
     deterministic: bool = False  # batch-invariant numerics: same bits cold or cached, alone or batched
-    dtype: str = "auto"  # compute dtype: auto (bf16 where the CPU computes it natively and faster), float32, ...
+    # compute dtype: auto (bf16 where the CPU computes it natively and faster), float32, ...;
+    # LADLE_DTYPE sets the default (the test suite pins float32 with it)
+    dtype: str = field(default_factory=lambda: os.environ.get("LADLE_DTYPE", "auto"))
     kv_cache_dtype: str = "auto"  # auto follows the compute dtype
 
     def __post_init__(self) -> None:
@@ -66,7 +69,8 @@ def add_engine_arguments(parser) -> None:
     g.add_argument("--deterministic", action="store_true",
                    help="batch-invariant numerics: a prompt's logits are bit-identical cold or cached, "
                         "alone or batched (slower attention)")
-    g.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16", "float", "half"),
+    g.add_argument("--dtype", default=os.environ.get("LADLE_DTYPE", "auto"),
+                   choices=("auto", "float32", "bfloat16", "float16", "float", "half"),
                    help="compute dtype; auto: bfloat16 where the CPU computes it natively and faster "
                         "(AMX-BF16, or AVX512-BF16 if a start-up measurement says so), else float32")
     g.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),

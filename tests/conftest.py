@@ -17,6 +17,10 @@ from ladle.engine.engine import LLMEngine
 from ladle.model.loader import default_gguf_path, resolve_model_path
 from ladle.server.app import create_app
 
+# References are float32 (transformers, float64): the suite computes in float32 whatever `auto`
+# would pick on this CPU; tests of other dtypes ask for them by name.
+os.environ.setdefault("LADLE_DTYPE", "float32")
+
 
 @pytest.fixture(scope="session")
 def smollm2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:

@@ -35,11 +35,13 @@ def kernels(request, monkeypatch: pytest.MonkeyPatch) -> str:
     loader.reset()
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_scoring_is_bit_identical_cold_cached_and_batched(smollm2_dir: Path, text: str, deterministic: bool,
-                                                          kernels: str) -> None:
+                                                          kernels: str, dtype: str) -> None:
     # A small token budget forces chunked prefill, so chunk boundaries differ run to run.
-    llm = LLM(str(smollm2_dir), deterministic=deterministic, kv_cache_memory_gib=0.5, max_num_batched_tokens=200)
+    engine_args = dict(deterministic=deterministic, kv_cache_memory_gib=0.5, max_num_batched_tokens=200, dtype=dtype)
+    llm = LLM(str(smollm2_dir), **engine_args)
     labels = [llm.tokenizer.encode(x)[0] for x in ("A", "B")]
     score = SamplingParams(label_token_ids=labels)
     chat = SamplingParams(temperature=0.0, max_tokens=6)
@@ -52,7 +54,7 @@ def test_scoring_is_bit_identical_cold_cached_and_batched(smollm2_dir: Path, tex
     assert cold == warm == mixed[2].outputs[0].label_logprobs
     # A fresh engine that first caches question 1: question 0 then reuses the block
     # where the two prompts diverge only in part (its shared start is copied).
-    other = LLM(str(smollm2_dir), deterministic=deterministic, kv_cache_memory_gib=0.5, max_num_batched_tokens=200)
+    other = LLM(str(smollm2_dir), **engine_args)
     other.generate([question(llm, text, 1)], score)
     hits_before = other.engine.kv.stats.hits
     partial = other.generate([question(llm, text, 0)], score)[0].outputs[0].label_logprobs

@@ -1,0 +1,85 @@
+"""--dtype: what `auto` picks for each CPU, the warning for a dtype the CPU cannot compute
+natively, and the reduced dtypes against transformers in the same dtype on the same weights."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+from ladle import LLM, SamplingParams
+from ladle.config import EngineConfig
+from ladle.model import dtype as dtypes
+
+PROMPTS = ["The three primary colours are", "def fibonacci(n):", "Once upon a time, in a small village,",
+           "The capital of Germany is", "List five fruits:", "Water boils at", "import numpy as np\n",
+           "My favourite book is"]
+NEW_TOKENS = 16
+# Logits are rounded to the dtype (bf16 keeps 8 bits: ~0.06 at |logit| ~ 16), and a batch
+# rounds differently from transformers' single sequence, so logprobs agree only this well:
+LOGPROB_TOLERANCE = {"bfloat16": 0.3, "float16": 0.06}
+MIN_TOP1_AGREEMENT = 0.9  # ladle's greedy token is transformers' argmax at the same prefix
+
+
+def test_auto_takes_bf16_on_amx_and_fp32_without_native_bf16() -> None:
+    amx = dtypes.choose_dtype("auto", {"avx512f", "avx512_bf16", "amx_bf16", "amx_tile"})
+    assert amx.name == "bfloat16" and "AMX" in amx.reason
+    avx2 = dtypes.choose_dtype("auto", {"avx2", "fma"})
+    assert avx2.name == "float32" and "no native bf16" in avx2.reason
+
+
+def test_auto_measures_where_only_avx512_bf16_is_there() -> None:
+    choice = dtypes.choose_dtype("auto", {"avx512f", "avx512_bf16"})
+    assert choice.name in ("float32", "bfloat16") and "GFLOP/s" in choice.reason  # the measured figures
+
+
+def test_a_dtype_without_hardware_warns_and_says_what_it_costs(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger=dtypes.__name__):
+        choice = dtypes.choose_dtype("bf16", {"avx2", "fma"})
+    assert choice.dtype == torch.bfloat16  # honoured all the same
+    assert "emulated" in choice.reason and any("emulated" in r.getMessage() for r in caplog.records)
+    assert dtypes.choose_dtype("bfloat16", {"avx512_bf16"}).reason.startswith("requested; the CPU computes it")
+
+
+def test_unknown_dtypes_are_refused() -> None:
+    with pytest.raises(ValueError, match="dtype"):
+        EngineConfig(dtype="int3")
+    with pytest.raises(ValueError, match="dtype"):
+        EngineConfig(kv_cache_dtype="fp4")
+
+
+def test_weights_and_kv_cache_follow_the_dtype(smollm2_dir: Path) -> None:
+    llm = LLM(str(smollm2_dir), dtype="bfloat16", kv_cache_memory_gib=0.25)
+    info = llm.engine.runtime_info()
+    assert info["dtype"] == "bfloat16" and info["kv_cache_dtype"] == "bfloat16" and info["dtype_reason"]
+    model = llm.engine.runner.model
+    assert all(lin.weight.dtype == torch.bfloat16 for layer in model.layers for lin in layer.linears)
+    assert llm.engine.runner.kv_cache.k.dtype == torch.bfloat16
+    fp32_kv = LLM(str(smollm2_dir), dtype="bfloat16", kv_cache_dtype="float32", kv_cache_memory_gib=0.25)
+    assert fp32_kv.engine.runner.kv_cache.k.dtype == torch.float32
+    assert fp32_kv.engine.runtime_info()["kv_cache_dtype"] == "float32"
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_reduced_dtype_against_transformers_in_that_dtype(smollm2_dir: Path, dtype: str) -> None:
+    from transformers import AutoModelForCausalLM
+
+    llm = LLM(str(smollm2_dir), dtype=dtype, kv_cache_memory_gib=0.25)
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, logprobs=1, ignore_eos=True))
+    hf = AutoModelForCausalLM.from_pretrained(str(smollm2_dir), dtype=getattr(torch, dtype)).eval()
+    agree = total = 0
+    for prompt, out in zip(PROMPTS, outs):
+        ids, tokens = llm.tokenizer.encode(prompt), out.outputs[0].token_ids
+        with torch.no_grad():  # transformers on ladle's own continuation: the same prefixes step by step
+            logits = hf(torch.tensor([ids + tokens])).logits[0, len(ids) - 1 : -1].float()
+        ref = torch.log_softmax(logits, dim=-1)
+        for step, token in enumerate(tokens):
+            got = out.outputs[0].logprobs[step].logprob
+            assert abs(got - ref[step, token].item()) < LOGPROB_TOLERANCE[dtype], (prompt, step)
+            margin = (ref[step].max() - ref[step, token]).item()
+            assert margin < LOGPROB_TOLERANCE[dtype], (prompt, step)  # a near-tie at worst
+            agree += margin == 0
+            total += 1
+    assert agree / total >= MIN_TOP1_AGREEMENT
