@@ -11,8 +11,26 @@ from contextlib import contextmanager
 import torch
 
 
+ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_int8")
+
+
+def cpu_name() -> str:
+    """The CPU model and the flags that decide ladle's paths, e.g. 'AMD EPYC 7B13 [avx2]'."""
+    name, flags = "", set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name") and not name:
+                    name = line.split(":", 1)[1].strip()
+                elif line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return f"{name or platform.machine()} [{' '.join(f for f in ISA_FLAGS if f in flags)}]"
+
+
 def machine() -> str:
-    return f"{platform.machine()} {platform.processor() or ''} cores={os.cpu_count()} torch_threads={torch.get_num_threads()}".strip()
+    return f"{cpu_name()} cores={os.cpu_count()} torch_threads={torch.get_num_threads()}"
 
 
 def random_prompt_ids(rng: random.Random, length: int, vocab_lo: int = 200, vocab_hi: int = 40000) -> list[int]:
@@ -37,9 +55,10 @@ def read_bandwidth_gbs(mib: int = 1024, repeats: int = 5) -> float:
     return buf.numel() * 4 / best / 1e9
 
 
-def matmul_gflops(m: int = 512, k: int = 576, n: int = 1536, repeats: int = 20) -> float:
-    """fp32 matmul throughput on shapes like a prefill chunk through an MLP."""
-    a, b = torch.randn(m, k), torch.randn(k, n)
+def matmul_gflops(m: int = 512, k: int = 576, n: int = 1536, repeats: int = 20,
+                  dtype: torch.dtype = torch.float32) -> float:
+    """torch matmul throughput in `dtype` on shapes like a prefill chunk through an MLP."""
+    a, b = torch.randn(m, k).to(dtype), torch.randn(k, n).to(dtype)
     a @ b
     best = min(_time(lambda: a @ b) for _ in range(repeats))
     return 2 * m * k * n / best / 1e9

@@ -2,16 +2,21 @@
 
   uniform  16 prompts x 256 tokens, 64 generated each (ignore_eos)
   mixed    48 seeded requests, prompts 16..768, outputs 8..256, at most 16 running;
-           transformers runs them as padded batches of 16, each until its longest ends
-  decode   batch-1 ms/token against the memory-bandwidth bound, and the mixed run's
-           FLOPs against measured matmul FLOP/s
+           transformers runs them as padded batches of 16, each until its longest ends;
+           and the mixed run's FLOPs against measured matmul FLOP/s
+  prefill  8 prompts x 512 tokens, one output token: prompt tok/s against the GEMM roof
+           (torch's matmul FLOP/s in that dtype over the model's FLOPs per token)
+  decode   batch-1 ms/token against the memory-bandwidth bound for that dtype's weight bytes
 
-Usage: python benchmarks/throughput.py [--model PATH] [--cases uniform,mixed,decode] [--quick]
+Each dtype of --dtype runs all cases (transformers in the same dtype).
+
+Usage: python benchmarks/throughput.py [--model PATH] [--dtype float32,bfloat16] [--cases ...] [--quick]
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import sys
@@ -21,7 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import machine, matmul_gflops, random_prompt_ids, read_bandwidth_gbs  # noqa: E402
+from common import cpu_name, machine, matmul_gflops, random_prompt_ids, read_bandwidth_gbs  # noqa: E402
 
 from ladle import LLM, SamplingParams  # noqa: E402
 
@@ -98,25 +103,30 @@ def batch1_decode_ms(llm: LLM, n: int = 128) -> float:
     return ((t2 - t1) - (t1 - t0)) / n * 1000
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=None, help="HF folder or .gguf (default: the embedded SmolLM2-135M)")
-    ap.add_argument("--cases", default="uniform,mixed,decode")
-    ap.add_argument("--quick", action="store_true", help="smaller workloads, for a smoke run")
-    ap.add_argument("--max-num-batched-tokens", type=int, default=512)
-    ap.add_argument("--save", default=None, help="write the figures as JSON here")
-    args = ap.parse_args()
-    cases = args.cases.split(",")
-    print(f"machine: {machine()}")
-    llm = LLM(args.model, max_num_seqs=16, max_num_batched_tokens=args.max_num_batched_tokens)
-    report: dict = {"machine": machine(), "model": str(llm.engine.model_path)}
+def prefill_tok_s(llm: LLM, n: int = 8, prompt_len: int = 512) -> float:
+    rng = random.Random(2)
+    work = [random_prompt_ids(rng, prompt_len) for _ in range(n)]
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    llm.generate(work[:1], params)  # warm up (caches differ: these prompts share nothing)
+    t = time.perf_counter()
+    llm.generate(work[1:], params)
+    return (n - 1) * prompt_len / (time.perf_counter() - t)
+
+
+def run_dtype(dtype: str, args: argparse.Namespace, cases: list[str]) -> dict:
+    llm = LLM(args.model, max_num_seqs=16, max_num_batched_tokens=args.max_num_batched_tokens, dtype=dtype)
+    torch_dtype = llm.engine.dtype.dtype
+    report: dict = {"dtype": llm.engine.dtype.name, "why": llm.engine.dtype.reason, **llm.engine.runtime_info()}
+    print(f"\n=== --dtype {dtype}: {llm.engine.dtype.name} ({llm.engine.dtype.reason}); "
+          f"kernels {llm.engine.isa}")
     hf = None
     if "uniform" in cases or "mixed" in cases:
         from transformers import AutoModelForCausalLM
 
-        hf = AutoModelForCausalLM.from_pretrained(llm.engine.model_path, dtype=torch.float32).eval()
+        hf = AutoModelForCausalLM.from_pretrained(llm.engine.model_path, dtype=torch_dtype).eval()
     scale = 4 if args.quick else 1
     workloads = {"uniform": uniform_workload(16 // scale, 256, 64 // scale), "mixed": mixed_workload(48 // scale)}
+    gflops = matmul_gflops(dtype=torch_dtype)
     for name in ("uniform", "mixed"):
         if name not in cases:
             continue
@@ -128,7 +138,6 @@ def main() -> None:
         row = {"ladle_tok_s": ln / lt, "hf_tok_s": hn / ht, "ratio": (ln / lt) / (hn / ht),
                "ladle_s": lt, "hf_s": ht}
         if name == "mixed":
-            gflops = matmul_gflops()
             achieved = workload_flops(llm, work) / lt / 1e9
             row.update(achieved_gflops=achieved, matmul_gflops=gflops, flops_pct=100 * achieved / gflops)
         report[name] = row
@@ -136,7 +145,13 @@ def main() -> None:
               f"ratio {row['ratio']:.2f}x")
         if name == "mixed":
             print(f"  mixed FLOPs: {row['achieved_gflops']:.1f} GFLOP/s of {row['matmul_gflops']:.1f} measured "
-                  f"matmul GFLOP/s = {row['flops_pct']:.0f}%")
+                  f"{llm.engine.dtype.name} matmul GFLOP/s = {row['flops_pct']:.0f}%")
+    if "prefill" in cases:
+        tok_s = prefill_tok_s(llm, 3 if args.quick else 8)
+        roof = gflops * 1e9 / (workload_flops(llm, [([0] * 512, 0)]) / 512)
+        report["prefill"] = {"tok_s": tok_s, "roof_tok_s": roof, "matmul_gflops": gflops, "pct_of_roof": 100 * tok_s / roof}
+        print(f"\n[prefill] {tok_s:.0f} prompt tok/s; GEMM roof {gflops:.0f} GFLOP/s -> {roof:.0f} tok/s "
+              f"-> {100 * tok_s / roof:.0f}% of the roof")
     if "decode" in cases:
         ms = batch1_decode_ms(llm, 32 if args.quick else 128)
         bw = read_bandwidth_gbs()
@@ -146,6 +161,25 @@ def main() -> None:
                             "pct_of_bound": 100 * bound_ms / ms}
         print(f"\n[decode] batch-1 {ms:.1f} ms/token; bound {wb / 1e6:.0f} MB / {bw:.1f} GB/s = {bound_ms:.1f} ms "
               f"-> {100 * bound_ms / ms:.0f}% of the bandwidth bound")
+    del llm, hf
+    gc.collect()
+    return report
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="HF folder or .gguf (default: the embedded SmolLM2-135M)")
+    ap.add_argument("--dtype", default="float32,bfloat16", help="comma-separated --dtype values, each run in turn")
+    ap.add_argument("--cases", default="uniform,mixed,prefill,decode")
+    ap.add_argument("--quick", action="store_true", help="smaller workloads, for a smoke run")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=512)
+    ap.add_argument("--save", default=None, help="write the figures as JSON here")
+    args = ap.parse_args()
+    cases = args.cases.split(",")
+    print(f"machine: {machine()}")
+    report: dict = {"machine": machine(), "cpu": cpu_name(), "model": args.model or "SmolLM2-135M-Instruct"}
+    for dtype in args.dtype.split(","):
+        report[dtype] = run_dtype(dtype, args, cases)
     if args.save:
         Path(args.save).write_text(json.dumps(report, indent=2))
 

@@ -41,6 +41,10 @@ class EngineConfig:
             canonical_name(self.kv_cache_dtype)
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.block_size < 1:
             raise ValueError("max_num_seqs, max_num_batched_tokens and block_size must be positive")
+        if self.max_num_batched_tokens < self.block_size:
+            # canonical (scoring) chunks end on block boundaries: a smaller budget never reaches one
+            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
+                             f"block_size ({self.block_size})")
 
 
 def add_engine_arguments(parser) -> None:

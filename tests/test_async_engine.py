@@ -35,6 +35,9 @@ class ScriptedEngine:
         self.fail_at_step = fail_at_step
         self.threads: set[int] = set()
 
+    def runtime_info(self) -> dict[str, str]:
+        return {"dtype": "scripted"}
+
     def add_request(self, request_id, prompt, params, priority=0, arrival_time=None):
         self.threads.add(threading.get_ident())
         if not prompt:

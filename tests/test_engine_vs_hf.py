@@ -6,6 +6,7 @@ each with transformers' `generate` on that prompt alone.
 
 from __future__ import annotations
 
+import json
 import weakref
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 from ladle import LLM, SamplingParams
+from ladle.model.config import ModelConfig
 from tiny_models import build_tiny_model
 
 PROMPTS = [
@@ -26,6 +28,7 @@ PROMPTS = [
     "Énergie, naïveté, 東京, and emojis 🙂 all in one prompt: " * 4,
 ]
 MAX_TOKENS = 12
+# The reference computes in float32; ladle's dtype "auto" may pick bfloat16 on this CPU, so pin it.
 LOGPROB_TOL = 2e-3  # absolute, on log-probabilities (fp32, different op order)
 
 # Engine set-ups every model must pass: plain, tiny prefill chunks, and a pool so small
@@ -42,7 +45,7 @@ def smollm2_gguf_llm_factory(smollm2_dir: Path):
     """LLMs loaded from the default GGUF file itself (the conversion cache makes this quick)."""
     from ladle.model.loader import default_gguf_path
 
-    return lambda **engine_args: LLM(str(default_gguf_path()), kv_cache_memory_gib=1.0, **engine_args)
+    return lambda **engine_args: LLM(str(default_gguf_path()), kv_cache_memory_gib=1.0, dtype="float32", **engine_args)
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +84,7 @@ def check_greedy_batch(llm: LLM, hf_model, case: str) -> None:
     assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks  # nothing leaked
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2", "llama3-rope"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "llama3-rope", "qwen3", "mistral"])
 def tiny(request, tmp_path_factory, smollm2_dir: Path):
     folder = build_tiny_model(request.param, tmp_path_factory.mktemp(request.param), smollm2_dir)
     from transformers import AutoModelForCausalLM
@@ -92,7 +95,105 @@ def tiny(request, tmp_path_factory, smollm2_dir: Path):
 @pytest.mark.parametrize("case", ENGINE_CASES)
 def test_tiny_models_greedy_match_transformers(tiny, case: str) -> None:
     folder, hf_model = tiny
-    check_greedy_batch(LLM(str(folder), **ENGINE_CASES[case]), hf_model, case)
+    check_greedy_batch(LLM(str(folder), dtype="float32", **ENGINE_CASES[case]), hf_model, case)
+
+
+def check_logprobs(res, hf_model, k: int) -> float:
+    """A result's sampled and prompt logprobs against one transformers forward over prompt + output;
+    returns the largest gap seen."""
+    out = res.outputs[0]
+    ids = torch.tensor([res.prompt_token_ids + out.token_ids])
+    with torch.no_grad():
+        ref = torch.log_softmax(hf_model(ids).logits[0].float(), dim=-1)
+    gaps = [0.0]
+    start = len(res.prompt_token_ids) - 1
+    assert len(out.logprobs) == len(out.token_ids)
+    for i, lp in enumerate(out.logprobs):
+        row = ref[start + i]
+        assert lp.token_id == out.token_ids[i]
+        gaps.append(abs(lp.logprob - float(row[lp.token_id])))
+        # each of ladle's top-k at transformers' value, and the k best values the same (robust to near-ties)
+        gaps += [abs(v - float(row[t])) for t, v in lp.top]
+        gaps += [abs(a - b) for (_, a), b in zip(lp.top, row.topk(k).values.tolist(), strict=True)]
+    assert res.prompt_logprobs is not None and res.prompt_logprobs[0] is None
+    assert len(res.prompt_logprobs) == len(res.prompt_token_ids)
+    for pos, lp in enumerate(res.prompt_logprobs[1:], start=1):
+        assert lp.token_id == res.prompt_token_ids[pos]
+        gaps.append(abs(lp.logprob - float(ref[pos - 1, lp.token_id])))
+    return max(gaps)
+
+
+@pytest.mark.parametrize("case", ["plain", "chunked32"])
+def test_tiny_models_logprobs_match_transformers(tiny, case: str) -> None:
+    """Sampled, top-k and prompt logprobs of every prompt, run as one batch; chunked32 splits
+    the long prompts' prefill (and so their prompt logprobs) over many steps."""
+    folder, hf_model = tiny
+    llm = LLM(str(folder), dtype="float32", **ENGINE_CASES[case])
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=5, prompt_logprobs=1)
+    for prompt, res in zip(PROMPTS, llm.generate(PROMPTS, params)):
+        assert check_logprobs(res, hf_model, 5) < LOGPROB_TOL, (case, prompt)
+    if case == "chunked32":
+        longest = max(len(llm.tokenizer.encode(prompt)) for prompt in PROMPTS)
+        assert longest > 2 * ENGINE_CASES[case]["max_num_batched_tokens"]
+
+
+# -- sliding-window attention, which ladle does not implement: refused when it would matter --------------
+
+
+@pytest.mark.parametrize("kind, overrides", [
+    ("mistral", {"sliding_window": 2048}),  # the window covers max_position_embeddings: plain causal attention
+    # transformers slides only layers >= max_window_layers: with 2 layers, none
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 2}),
+], ids=["mistral-window-covers-context", "qwen2-no-sliding-layer"])
+def test_sliding_window_that_never_applies_loads_and_matches_transformers(tmp_path: Path, smollm2_dir: Path,
+                                                                         kind: str, overrides: dict) -> None:
+    from transformers import AutoModelForCausalLM
+
+    folder = build_tiny_model(kind, tmp_path / kind, smollm2_dir, **overrides)
+    assert json.loads((folder / "config.json").read_text())["sliding_window"] == overrides["sliding_window"]
+    hf_model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    check_greedy_batch(LLM(str(folder), dtype="float32"), hf_model, "plain")  # prompts run past 8 tokens
+
+
+@pytest.mark.parametrize("kind, overrides", [
+    ("mistral", {"sliding_window": 8}),
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}),
+    ("qwen3", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 0}),
+], ids=["mistral", "qwen2", "qwen3"])
+def test_sliding_window_models_are_refused(tmp_path: Path, smollm2_dir: Path, kind: str, overrides: dict) -> None:
+    from transformers import AutoConfig
+
+    folder = build_tiny_model(kind, tmp_path / kind, smollm2_dir, **overrides)
+    if kind != "mistral":  # transformers itself slides some layer of these (Mistral slides every layer)
+        assert "sliding_attention" in AutoConfig.from_pretrained(folder).layer_types
+    with pytest.raises(ValueError, match=rf"sliding_window=8\b.*max_position_embeddings=2048") as err:
+        ModelConfig.from_folder(folder)
+    assert str(folder) in str(err.value)
+    with pytest.raises(ValueError, match="sliding_window=8"):
+        LLM(str(folder))
+
+
+def test_sliding_window_config_rules() -> None:
+    """Shapes of real configs: Mistral-7B-v0.1 (window 4096 of 32768) is refused; v0.2 (null) and the Qwen2.5s
+    (a sliding_window present but use_sliding_window false) load."""
+    base = {"vocab_size": 32000, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "max_position_embeddings": 32768}
+    with pytest.raises(ValueError, match=r"'mistralai/Mistral-7B-v0\.1'.*sliding_window=4096"):
+        ModelConfig.from_hf_dict({**base, "model_type": "mistral", "sliding_window": 4096},
+                                 name="mistralai/Mistral-7B-v0.1")
+    for ok in ({"model_type": "mistral", "sliding_window": None}, {"model_type": "mistral"},
+               {"model_type": "mistral", "sliding_window": 32768},
+               {"model_type": "qwen2", "sliding_window": 4096, "use_sliding_window": False, "max_window_layers": 0},
+               {"model_type": "qwen3", "sliding_window": 4096, "use_sliding_window": False, "max_window_layers": 0},
+               # transformers slides the layers from max_window_layers on, or those layer_types names
+               {"model_type": "qwen2", "sliding_window": 4096, "use_sliding_window": True, "max_window_layers": 2},
+               {"model_type": "qwen2", "sliding_window": 4096, "use_sliding_window": True, "max_window_layers": 0,
+                "layer_types": ["full_attention"] * 2}):
+        assert ModelConfig.from_hf_dict({**base, **ok}).max_position_embeddings == 32768, ok
+    for refused in ({"model_type": "qwen2", "max_window_layers": 1},
+                    {"model_type": "qwen3", "layer_types": ["full_attention", "sliding_attention"]}):
+        with pytest.raises(ValueError, match="sliding_window=4096"):
+            ModelConfig.from_hf_dict({**base, "sliding_window": 4096, "use_sliding_window": True, **refused})
 
 
 @pytest.mark.parametrize("case", ENGINE_CASES)

@@ -1,4 +1,4 @@
-"""Tiny random Llama and Qwen2 checkpoints, built and saved by transformers for the tests."""
+"""Tiny random Llama, Qwen2, Qwen3 and Mistral checkpoints, built and saved by transformers for the tests."""
 
 from __future__ import annotations
 
@@ -9,20 +9,25 @@ import torch
 SMOLLM2_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 
-def build_tiny_model(kind: str, out: Path, tokenizer_from: Path, seed: int = 0) -> Path:
-    """Save a small random model of `kind` ("llama" or "qwen2") with a real tokenizer.
+def build_tiny_model(kind: str, out: Path, tokenizer_from: Path, seed: int = 0, **config_overrides) -> Path:
+    """Save a small random model of `kind` ("llama", "llama3-rope", "qwen2", "qwen3" or "mistral")
+    with a real tokenizer; `config_overrides` go to the transformers config.
 
     Weights are drawn with a wide init so next-token logits are peaked: greedy
     comparisons against transformers then test the maths, not float ties.
     """
     import shutil
 
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (
+        LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
+        Qwen3ForCausalLM,
+    )
 
     vocab = 49152  # the SmolLM2 tokenizer's
     common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
                   rms_norm_eps=1e-6, initializer_range=0.2, bos_token_id=1, eos_token_id=2)
+    common.update(config_overrides)
     torch.manual_seed(seed)
     if kind == "llama":
         cfg = LlamaConfig(**common, rope_theta=10000.0, tie_word_embeddings=False)
@@ -39,6 +44,17 @@ def build_tiny_model(kind: str, out: Path, tokenizer_from: Path, seed: int = 0) 
             for layer in model.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     proj.bias.normal_(0, 0.5)
+    elif kind == "qwen3":
+        # head_dim 32 with 4 heads: q is wider than the hidden size, as in the real Qwen3s
+        cfg = Qwen3Config(**{"head_dim": 32, **common}, rope_theta=1000000.0, tie_word_embeddings=True)
+        model = Qwen3ForCausalLM(cfg)
+        with torch.no_grad():  # per-channel q/k norm weights far from 1, so a skipped or misapplied norm shows
+            for layer in model.model.layers:
+                for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+                    norm.weight.uniform_(0.25, 2.5)
+    elif kind == "mistral":
+        cfg = MistralConfig(**{"sliding_window": None, **common}, rope_theta=1000000.0, tie_word_embeddings=False)
+        model = MistralForCausalLM(cfg)
     else:
         raise ValueError(kind)
     model.save_pretrained(out)

@@ -69,14 +69,18 @@ class LLMEngine:
         self.runner = ModelRunner(self.model_config, load_weights(folder, self.dtype.dtype), num_blocks,
                                   config.block_size, self.kv_dtype)
         self.sampler = Sampler(config.seed)
+        log.info("matmuls: decode on %s, prefill on %s (measured: %s)", self.runner.model.routing.decode,
+                 self.runner.model.routing.prefill, self.runner.model.routing.measured)
         self.requests: dict[str, list[Sequence]] = {}
         self.stats = EngineStats()
         self._seq_ids = itertools.count()
 
     def runtime_info(self) -> dict[str, str]:
         """How this engine computes on this machine, and why (the start log and /version)."""
+        routing = self.runner.model.routing
         return {"dtype": self.dtype.name, "dtype_reason": self.dtype.reason,
-                "kv_cache_dtype": str(self.kv_dtype).removeprefix("torch."), "kernels": self.isa}
+                "kv_cache_dtype": str(self.kv_dtype).removeprefix("torch."), "kernels": self.isa,
+                "matmul": f"decode {routing.decode}, prefill {routing.prefill}"}
 
     def _num_blocks(self) -> int:
         if self.config.num_kv_blocks:

@@ -164,7 +164,9 @@ class Scheduler:
         if seq.canonical and n < remaining:
             # Chunks end on block boundaries, so no attention tile of the torch fallback is split.
             bs = self.config.block_size
-            n = (seq.num_computed_tokens + n) // bs * bs - seq.num_computed_tokens
+            # A sequence that starts mid-block (a partial prefix hit) may not reach the next
+            # boundary within what is left of this step's budget: it waits for the next step.
+            n = max(0, (seq.num_computed_tokens + n) // bs * bs - seq.num_computed_tokens)
         return n
 
     def _preempt(self, victim: Sequence, plan: _StepPlan) -> None:

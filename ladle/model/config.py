@@ -31,11 +31,21 @@ class ModelConfig:
     bos_token_id: int | None = None
 
     @classmethod
-    def from_hf_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+    def from_hf_dict(cls, d: dict[str, Any], name: str | None = None) -> "ModelConfig":
+        """`name` (the model's folder, say) only labels errors."""
         model_type = d.get("model_type", "llama")
         if model_type not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
                 f"unsupported model_type {model_type!r}; ladle runs {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        max_positions = d.get("max_position_embeddings", 4096)
+        window = _sliding_window(d, model_type)
+        if window is not None and window < max_positions:
+            model = name or d.get("_name_or_path") or model_type
+            raise ValueError(
+                f"model {model!r} uses sliding-window attention (sliding_window={window}, smaller than its "
+                f"max_position_embeddings={max_positions}); ladle attends to the whole context and would compute "
+                "something else past the window, so it refuses this model"
             )
         heads = d["num_attention_heads"]
         eos = d.get("eos_token_id")
@@ -58,7 +68,7 @@ class ModelConfig:
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
             rope_scaling=scaling,
-            max_position_embeddings=d.get("max_position_embeddings", 4096),
+            max_position_embeddings=max_positions,
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=bool(d.get("attention_bias", model_type == "qwen2")),
             qk_norm=model_type == "qwen3",
@@ -68,4 +78,24 @@ class ModelConfig:
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> "ModelConfig":
-        return cls.from_hf_dict(json.loads((Path(folder) / "config.json").read_text()))
+        return cls.from_hf_dict(json.loads((Path(folder) / "config.json").read_text()), name=str(folder))
+
+
+def _sliding_window(d: dict[str, Any], model_type: str) -> int | None:
+    """The attention window some layer of the model is limited to, as transformers reads the config;
+    None when every layer attends to the whole context."""
+    window = d.get("sliding_window")
+    if window is None:
+        return None
+    if model_type in ("qwen2", "qwen3"):
+        # Qwen configs carry a sliding_window that only applies with use_sliding_window, and then only to
+        # the layers that layer_types marks (by default those from max_window_layers on)
+        if not d.get("use_sliding_window", False):
+            return None
+        layer_types = d.get("layer_types")
+        if layer_types is not None:
+            if "sliding_attention" not in layer_types:
+                return None
+        elif d.get("max_window_layers", 28) >= d["num_hidden_layers"]:
+            return None
+    return int(window)

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from ladle.model import kernels
+from ladle.model.kernels.routing import MatmulRouting
 
 
 # Without the native kernels, batch-invariant matmuls run through torch in calls of exactly
@@ -20,11 +21,11 @@ BATCH_INVARIANT_ROWS = 16
 class Linear:
     """y = x W^T + b, with W kept as it comes, [out, in] and contiguous, in the model's dtype.
 
-    Three paths. Up to `kernels.MAX_ROWS` float32 rows (decode steps) go to the native
-    small-row kernel, which streams each weight row once on all cores. Batch-invariant
-    calls (canonical sequences) go to the native canonical kernel: one fixed FMA chain per
-    output, so a row's bits never depend on what shares the call (weights packed into its
-    panel layout on first use). Everything else goes to torch (MKL, oneDNN for bf16).
+    Batch-invariant calls (canonical sequences) always go to the native canonical kernel:
+    one fixed FMA chain per output, so a row's bits never depend on what shares the call
+    (W packed into its panel layout on first use). Other calls go where `routing` says,
+    by their row count: the native small-row kernel (float32 decode steps), the canonical
+    kernel, or torch (MKL, oneDNN for bf16).
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
@@ -35,25 +36,31 @@ class Linear:
         self._native_ok = all(fp32_cpu)
         self._panels: torch.Tensor | None = None  # the canonical kernel's copy of W
         self._bias32 = None if bias is None else self.bias.float()
+        self.routing = MatmulRouting()
 
     def __call__(self, x: torch.Tensor, batch_invariant: bool = False) -> torch.Tensor:
-        rows = x.shape[0]
-        if batch_invariant:
+        kernel = "canonical" if batch_invariant else self.routing.kernel_for(x.shape[0])
+        if kernel == "canonical":
             return self._canonical(x)
-        if rows <= kernels.MAX_ROWS and self._native_ok and self._native_input(x):
+        if kernel == "small" and self._native_ok and self._native_input(x):
             native = kernels.native_kernels()
             if native is not None:
                 return native.linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
+
+    def pack(self) -> None:
+        """Pack W for the canonical kernel now rather than on the first call that needs it."""
+        native = kernels.native_kernels()
+        if native is not None and self._panels is None:
+            w = self.weight if self.weight.dtype in (torch.float32, torch.bfloat16) else self.weight.float()
+            self._panels = native.pack_panels(w)
 
     def _canonical(self, x: torch.Tensor) -> torch.Tensor:
         native = kernels.native_kernels() if x.is_cpu and x.dim() == 2 and x.stride(1) == 1 else None
         if native is None:
             return self._fixed_shape(x)
         if self._panels is None:
-            # bf16 panels are read as they are; fp16 is widened once (exact) to fp32 panels
-            w = self.weight if self.weight.dtype in (torch.float32, torch.bfloat16) else self.weight.float()
-            self._panels = native.pack_panels(w)
+            self.pack()  # bf16 panels are read as they are; fp16 is widened once (exact) to fp32 panels
         y = native.canonical_linear(x.float(), self._panels, self.out_features, self._bias32)
         return y if x.dtype == torch.float32 else y.to(x.dtype)
 

@@ -11,8 +11,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ladle.model import kernels
 from ladle.model.attention import AttentionBackend, AttentionMetadata
 from ladle.model.config import ModelConfig
+from ladle.model.kernels.routing import choose_routing
 from ladle.model.layers import Linear, RotaryEmbedding, apply_rotary, rms_norm, silu_and_mul
 
 
@@ -63,6 +65,15 @@ class LlamaForCausalLM:
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         self.q_size = cfg.num_attention_heads * cfg.head_dim
         self.kv_size = cfg.num_key_value_heads * cfg.head_dim
+        self.routing = choose_routing(kernels.native_kernels(), [lin.weight for lin in self.layers[0].linears])
+        for lin in self.linears:
+            lin.routing = self.routing
+            if "canonical" in (self.routing.decode, self.routing.prefill):
+                lin.pack()
+
+    @property
+    def linears(self) -> list[Linear]:
+        return [lin for layer in self.layers for lin in layer.linears] + [self.lm_head]
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

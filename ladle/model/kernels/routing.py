@@ -1,0 +1,90 @@
+"""Which matmul kernel serves which call, chosen by measurement on the machine at hand.
+
+Three kernels can compute a linear layer: the native small-row kernel (row-major W, AVX2),
+the native canonical kernel (packed panels, AVX-512 where the CPU has it) and torch (MKL,
+or oneDNN for bf16). Which is fastest depends on the CPU: on an AVX2-only EPYC the
+small-row kernel beats MKL for decode steps; on an AVX-512 Xeon MKL's and the canonical
+kernel's wider paths win. So at start-up each candidate is timed on the model's own
+shapes, for a decode-sized and a prefill-sized call, and the fastest is used from then on.
+LADLE_MATMUL=DECODE:PREFILL (say `small:torch` or `canonical:canonical`) skips the
+measurement and forces a route, so tests can run every path on any machine.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ladle.model.kernels.loader import MAX_ROWS, NativeKernels
+
+logger = logging.getLogger(__name__)
+
+KERNELS = ("small", "canonical", "torch")
+DECODE_ROWS = 8  # a typical decode batch
+PREFILL_ROWS = 128  # a prefill chunk
+
+
+@dataclass(frozen=True)
+class MatmulRouting:
+    """Kernel names per call size: `small` (native small-row), `canonical` (native panels), `torch`."""
+
+    decode: str = "small"  # calls of up to MAX_ROWS rows
+    prefill: str = "torch"  # larger calls
+    measured: str = ""  # the timings behind the choice, for the start log
+
+    def kernel_for(self, rows: int) -> str:
+        return self.decode if rows <= MAX_ROWS else self.prefill
+
+
+def choose_routing(native: NativeKernels | None, weights: list[torch.Tensor]) -> MatmulRouting:
+    """Time each kernel that can take `weights` (the model's linear weights, [out, in]) at decode
+    and prefill sizes; the fastest in total over the weights wins each size."""
+    if native is None:
+        return MatmulRouting("torch", "torch", "no native kernels")
+    forced = forced_routing()
+    if forced is not None:
+        return forced
+    dtype = weights[0].dtype
+    decode = ["canonical", "torch"] + (["small"] if dtype == torch.float32 else [])
+    prefill = ["canonical", "torch"]
+    packed = [native.pack_panels(w if w.dtype in (torch.float32, torch.bfloat16) else w.float()) for w in weights]
+    timings = {}
+    for size, rows, names in (("decode", DECODE_ROWS, decode), ("prefill", PREFILL_ROWS, prefill)):
+        for name in names:
+            timings[size, name] = sum(_time(native, name, w, p, rows) for w, p in zip(weights, packed))
+    best = {size: min((t, name) for (s, name), t in timings.items() if s == size)[1] for size in ("decode", "prefill")}
+    measured = ", ".join(f"{size} {name} {t * 1e3:.2f} ms" for (size, name), t in sorted(timings.items()))
+    return MatmulRouting(best["decode"], best["prefill"], measured)
+
+
+def forced_routing() -> MatmulRouting | None:
+    """The route LADLE_MATMUL names, if set."""
+    value = os.environ.get("LADLE_MATMUL", "").strip().lower()
+    if not value:
+        return None
+    decode, _, prefill = value.partition(":")
+    if decode not in KERNELS or prefill not in KERNELS:
+        raise ValueError(f"LADLE_MATMUL must be DECODE:PREFILL with each one of {KERNELS}, not {value!r}")
+    return MatmulRouting(decode, prefill, "forced by LADLE_MATMUL")
+
+
+def _time(native: NativeKernels, name: str, w: torch.Tensor, packed: torch.Tensor, rows: int, repeats: int = 5) -> float:
+    x = torch.randn(rows, w.shape[1], generator=torch.Generator().manual_seed(rows))
+    if name == "small":
+        call = lambda: native.linear(x, w)  # noqa: E731
+    elif name == "canonical":
+        call = lambda: native.canonical_linear(x, packed, w.shape[0])  # noqa: E731
+    else:
+        xt = x.to(w.dtype)
+        call = lambda: torch.nn.functional.linear(xt, w)  # noqa: E731
+    call()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        call()
+        best = min(best, time.perf_counter() - start)
+    return best
