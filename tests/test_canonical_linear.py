@@ -124,3 +124,25 @@ def test_supported_isas_follow_the_cpu_flags() -> None:
     assert loader.supported_isas({"avx", "avx2", "fma", "avx512f", "avx512bw", "avx512vl"}) == [
         "avx512", "avx2", "scalar"]
     assert loader.supported_isas({"sse4_2"}) == ["scalar"]
+
+
+def test_routing_is_measured_and_can_be_forced(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ladle.model.kernels import routing
+
+    if not loader.enabled():
+        pytest.skip("LADLE_NATIVE_KERNELS=0 in the environment")
+    monkeypatch.delenv("LADLE_MATMUL", raising=False)
+    native = kernels.native_kernels()
+    weights = [torch.randn(96, 64), torch.randn(64, 96)]
+    measured = routing.choose_routing(native, weights)
+    assert measured.decode in routing.KERNELS and measured.prefill in ("canonical", "torch")
+    assert "decode small" in measured.measured and "prefill torch" in measured.measured  # every candidate timed
+    bf16 = routing.choose_routing(native, [w.bfloat16() for w in weights])
+    assert "small" not in bf16.measured  # the small-row kernel takes float32 weights only
+    assert routing.choose_routing(None, weights) == routing.MatmulRouting("torch", "torch", "no native kernels")
+    monkeypatch.setenv("LADLE_MATMUL", "small:canonical")
+    assert (routing.choose_routing(native, weights).decode, routing.choose_routing(native, weights).prefill) == (
+        "small", "canonical")
+    monkeypatch.setenv("LADLE_MATMUL", "fast:torch")
+    with pytest.raises(ValueError, match="LADLE_MATMUL"):
+        routing.choose_routing(native, weights)

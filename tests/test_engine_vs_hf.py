@@ -28,7 +28,7 @@ PROMPTS = [
     "Énergie, naïveté, 東京, and emojis 🙂 all in one prompt: " * 4,
 ]
 MAX_TOKENS = 12
-# The reference computes in float32; ladle's dtype "auto" may pick bfloat16 on this CPU, so pin it.
+# The reference computes in float32; ladle's dtype "auto" may pick bfloat16 on some CPUs, so pin it.
 LOGPROB_TOL = 2e-3  # absolute, on log-probabilities (fp32, different op order)
 
 # Engine set-ups every model must pass: plain, tiny prefill chunks, and a pool so small
@@ -199,6 +199,18 @@ def test_sliding_window_config_rules() -> None:
 @pytest.mark.parametrize("case", ENGINE_CASES)
 def test_smollm2_gguf_greedy_matches_transformers(smollm2_gguf_llm_factory, hf_smollm2, case: str) -> None:
     check_greedy_batch(smollm2_gguf_llm_factory(**ENGINE_CASES[case]), hf_smollm2[0], case)
+
+
+@pytest.mark.parametrize("route", ["small:torch", "canonical:canonical", "torch:torch", "canonical:torch"])
+def test_every_matmul_route_matches_transformers(smollm2_gguf_llm_factory, hf_smollm2, route: str,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Start-up measurement picks the matmul kernels per machine; each route it can pick, forced."""
+    monkeypatch.setenv("LADLE_MATMUL", route)
+    llm = smollm2_gguf_llm_factory(max_num_batched_tokens=64)  # prefill chunks past the 32-row decode size
+    decode, prefill = route.split(":")
+    assert (llm.engine.runner.model.routing.decode, llm.engine.runner.model.routing.prefill) == (decode, prefill)
+    assert llm.engine.runtime_info()["matmul"] == f"decode {decode}, prefill {prefill}"
+    check_greedy_batch(llm, hf_smollm2[0], route)
 
 
 def test_smollm2_logprobs_match_transformers(smollm2_llm: LLM, hf_smollm2) -> None:
