@@ -74,6 +74,8 @@ class ModelRunner:
             meta.decode_block_tables = tables
             meta.decode_mask = (keys[None, :] < ctx[:, None])[:, None, None, :]
             meta.decode_context_lens = ctx
+            ones = torch.ones(len(decodes), dtype=torch.int64)
+            meta.decode_rows = CanonicalRows(tables, torch.arange(len(decodes)), ones, ctx - 1)
         row = len(decodes)
         for item in batch[len(decodes) :]:
             seq = item.seq

