@@ -155,9 +155,10 @@ def prompt_attention(native, q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
 
 @pytest.mark.parametrize(("rows", "first", "d"), [(1, 0, 64), (37, 0, 64), (300, 0, 64), (33, 526, 64),
                                                   (5, 90, 128), (20, 3, 8)])
-def test_prompt_attention_matches_torch(native, rows: int, first: int, d: int) -> None:
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_prompt_attention_matches_torch(native, rows: int, first: int, d: int, kv_dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(rows + first + d)
-    k_cache, v_cache = paged_cache(gen, blocks=80, d=d)
+    k_cache, v_cache = (c.to(kv_dtype) for c in paged_cache(gen, blocks=80, d=d))  # the reference reads the same bf16
     table = torch.randperm(80, generator=gen)[: -(-(first + rows) // 16)]
     qkv = torch.randn(rows, (9 + 6) * d, generator=gen)
     q = qkv[:, : 9 * d].view(rows, 9, d)  # strided rows, as the model passes them
@@ -182,10 +183,11 @@ def test_prompt_attention_rows_do_not_depend_on_their_neighbours(native) -> None
         assert torch.equal(alone, whole[first : first + 1]), first
 
 
-def test_write_kv_matches_index_copy(native) -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_matches_index_copy(native, dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(5)
-    k_cache, v_cache = paged_cache(gen)
-    qkv = torch.randn(4, (9 + 3 + 3) * 64, generator=gen)
+    k_cache, v_cache = (c.to(dtype) for c in paged_cache(gen))
+    qkv = torch.randn(4, (9 + 3 + 3) * 64, generator=gen).to(dtype)
     k = qkv[:, 9 * 64 : 12 * 64].view(4, 3, 64)
     v = qkv[:, 12 * 64 :].view(4, 3, 64)
     slots = torch.tensor([5, 17, 639, 300])

@@ -126,24 +126,27 @@ class TorchPagedAttention:
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        self._native_ok = cache.k.dtype == torch.float32 and cache.k.is_cpu
+        # float32 caches take every native kernel, bfloat16 ones the prompt kernel (decodes
+        # included) and the K/V writes; anything else stays on torch
+        self._native_ok = cache.k.dtype in (torch.float32, torch.bfloat16) and cache.k.is_cpu
+        self._decode_kernel_ok = self._native_ok and cache.k.dtype == torch.float32
         self._prompt_kernel_ok = self._native_ok and head_dim % 8 == 0 and cache.block_size % 8 == 0
 
     def _native(self, *rows: torch.Tensor) -> kernels.NativeKernels | None:
         """The native kernels, if these [T, heads, D] operands suit them (inner dims contiguous)."""
-        if self._native_ok and all(x.dtype == torch.float32 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
-                                   for x in rows):
+        if self._native_ok and all(x.stride(2) == 1 and x.stride(1) == x.shape[2] for x in rows):
             return kernels.native_kernels()
         return None
 
     def write_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
-        native = self._native(k, v)
+        same_dtype = k.dtype == v.dtype == self.cache.k.dtype
+        native = self._native(k, v) if same_dtype else None
         if native is not None:  # a copy per token, where index_copy_ costs several microseconds
             native.write_kv(k, v, self.cache.k[layer], self.cache.v[layer], meta.slot_mapping)
         else:
             flat = (-1, self.num_kv_heads, self.head_dim)
-            self.cache.k[layer].view(flat).index_copy_(0, meta.slot_mapping, k)
-            self.cache.v[layer].view(flat).index_copy_(0, meta.slot_mapping, v)
+            self.cache.k[layer].view(flat).index_copy_(0, meta.slot_mapping, k.to(self.cache.k.dtype))
+            self.cache.v[layer].view(flat).index_copy_(0, meta.slot_mapping, v.to(self.cache.v.dtype))
         for src, dst, n in meta.in_step_copies:  # in order: a source may itself be a destination
             self.cache.k[layer, dst, :n] = self.cache.k[layer, src, :n]
             self.cache.v[layer, dst, :n] = self.cache.v[layer, src, :n]
@@ -163,8 +166,13 @@ class TorchPagedAttention:
                 out[span.start : span.end] = self._prefill(layer, span, q, k, v)
         if native is not None:  # every canonical span in one call, each row computed on its own
             rows = meta.canonical
-            native.prompt_attention(q, self.cache.k[layer], self.cache.v[layer], rows.block_tables, rows.row_starts,
-                                    rows.row_counts, rows.first_positions, self.head_dim**-0.5, out)
+            o32 = out if out.dtype == torch.float32 else torch.empty_like(out, dtype=torch.float32)
+            native.prompt_attention(q.float(), self.cache.k[layer], self.cache.v[layer], rows.block_tables, rows.row_starts,
+                                    rows.row_counts, rows.first_positions, self.head_dim**-0.5, o32)
+            if o32 is not out:
+                for span in meta.prefills:
+                    if span.canonical:
+                        out[span.start : span.end] = o32[span.start : span.end]
         return out
 
     def _gather(self, cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
@@ -180,10 +188,10 @@ class TorchPagedAttention:
             # runs decode steps about 1.6x faster than the decode kernel (and row-invariant)
             rows = meta.decode_rows
             out = torch.empty(q.shape[0], self.num_heads * self.head_dim, dtype=torch.float32)
-            native.prompt_attention(q, self.cache.k[layer], self.cache.v[layer], rows.block_tables, rows.row_starts,
-                                    rows.row_counts, rows.first_positions, self.head_dim**-0.5, out)
-            return out
-        if native is not None:  # reads K/V in place: no gather copies, no mask
+            native.prompt_attention(q.float(), self.cache.k[layer], self.cache.v[layer], rows.block_tables,
+                                    rows.row_starts, rows.row_counts, rows.first_positions, self.head_dim**-0.5, out)
+            return out.to(q.dtype)
+        if native is not None and self._decode_kernel_ok and q.dtype == torch.float32:  # K/V read in place
             return native.decode_attention(q, self.cache.k[layer], self.cache.v[layer], meta.decode_block_tables,
                                            meta.decode_context_lens, self.head_dim**-0.5)
         b = q.shape[0]

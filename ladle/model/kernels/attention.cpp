@@ -4,7 +4,7 @@
 // Decode: one query token per sequence. Replaces the torch path, whose fixed costs dominate
 // at decode sizes; and the index_copy_ that writes the new K/V.
 //
-// Prompt rows, row-invariant: each query row is computed by the same sequence of operations
+// Prompt rows, row-invariant (K/V in float32 or bfloat16): each query row is computed by the same sequence of operations
 // whatever else shares the call (other rows of its chunk, other sequences, where its chunk
 // began), so a prompt scored cold, from a cached prefix or inside any batch gives
 // bit-identical outputs. Scoring and --deterministic rely on it.
@@ -132,16 +132,19 @@ extern "C" int ladle_decode_attention(const float* q, int64_t q_stride, const fl
   return 0;
 }
 
-// cache[slots[t]] = rows[t] for t < count, for K and V: `width` floats per slot, source
-// rows k_stride / v_stride apart. Returns 0, or -1 (writing nothing) if a slot is not in
-// [0, num_slots).
-extern "C" int ladle_write_kv(const float* k, int64_t k_stride, const float* v, int64_t v_stride, float* k_cache,
-                              float* v_cache, int64_t num_slots, const int64_t* slots, int64_t count, int64_t width) {
+// cache[slots[t]] = rows[t] for t < count, for K and V: `width` elements of `elem` bytes per
+// slot, source rows k_stride / v_stride elements apart. Returns 0, or -1 (writing nothing) if
+// a slot is not in [0, num_slots).
+extern "C" int ladle_write_kv(const void* k, int64_t k_stride, const void* v, int64_t v_stride, void* k_cache,
+                              void* v_cache, int64_t num_slots, const int64_t* slots, int64_t count, int64_t width,
+                              int64_t elem) {
   for (int64_t t = 0; t < count; ++t)
     if (slots[t] < 0 || slots[t] >= num_slots) return -1;
+  const auto* ks = static_cast<const char*>(k);
+  const auto* vs = static_cast<const char*>(v);
   for (int64_t t = 0; t < count; ++t) {
-    std::memcpy(k_cache + slots[t] * width, k + t * k_stride, width * sizeof(float));
-    std::memcpy(v_cache + slots[t] * width, v + t * v_stride, width * sizeof(float));
+    std::memcpy(static_cast<char*>(k_cache) + slots[t] * width * elem, ks + t * k_stride * elem, width * elem);
+    std::memcpy(static_cast<char*>(v_cache) + slots[t] * width * elem, vs + t * v_stride * elem, width * elem);
   }
   return 0;
 }
@@ -157,13 +160,14 @@ struct PromptTask {
 // s[j] = scale * (q . key j) for the 8 keys at k, key_stride apart. Each dot product is
 // eight lane sums (fused multiply-adds over the dimensions, 8 at a time, in order) added in
 // a fixed tree: it depends on q and the key alone, never on what is computed beside it.
-void scores8(const float* q, const float* k, int64_t key_stride, int64_t d, float scale, float* s) {
+template <typename KV>
+void scores8(const float* q, const KV* k, int64_t key_stride, int64_t d, float scale, float* s) {
 #ifdef __AVX2__
   __m256 acc[8];
   for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
   for (int64_t i = 0; i < d; i += 8) {
     const __m256 qi = _mm256_loadu_ps(q + i);
-    for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(qi, _mm256_loadu_ps(k + j * key_stride + i), acc[j]);
+    for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(qi, load8(k + j * key_stride + i), acc[j]);
   }
   const __m256 s0123 = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
   const __m256 s4567 = _mm256_hadd_ps(_mm256_hadd_ps(acc[4], acc[5]), _mm256_hadd_ps(acc[6], acc[7]));
@@ -173,7 +177,7 @@ void scores8(const float* q, const float* k, int64_t key_stride, int64_t d, floa
 #else
   for (int j = 0; j < 8; ++j) {
     float acc = 0;
-    for (int64_t i = 0; i < d; ++i) acc = std::fma(q[i], k[j * key_stride + i], acc);
+    for (int64_t i = 0; i < d; ++i) acc = std::fma(q[i], to_float(k[j * key_stride + i]), acc);
     s[j] = acc * scale;
   }
 #endif
@@ -181,7 +185,8 @@ void scores8(const float* q, const float* k, int64_t key_stride, int64_t d, floa
 
 // The same for two query vectors and 4 keys (each key load serves both vectors): the same
 // chain and the same tree per score, so the same bits as scores8.
-void scores4x2(const float* q0, const float* q1, const float* k, int64_t key_stride, int64_t d, float scale,
+template <typename KV>
+void scores4x2(const float* q0, const float* q1, const KV* k, int64_t key_stride, int64_t d, float scale,
                float* s0, float* s1) {
 #ifdef __AVX2__
   __m256 acc[8];  // vector 0 with keys 0-3, then vector 1 with keys 0-3
@@ -189,7 +194,7 @@ void scores4x2(const float* q0, const float* q1, const float* k, int64_t key_str
   for (int64_t i = 0; i < d; i += 8) {
     const __m256 a = _mm256_loadu_ps(q0 + i), b = _mm256_loadu_ps(q1 + i);
     for (int j = 0; j < 4; ++j) {
-      const __m256 kj = _mm256_loadu_ps(k + j * key_stride + i);
+      const __m256 kj = load8(k + j * key_stride + i);
       acc[j] = _mm256_fmadd_ps(a, kj, acc[j]);
       acc[4 + j] = _mm256_fmadd_ps(b, kj, acc[4 + j]);
     }
@@ -205,8 +210,8 @@ void scores4x2(const float* q0, const float* q1, const float* k, int64_t key_str
   for (int j = 0; j < 4; ++j) {
     float a = 0, b = 0;
     for (int64_t i = 0; i < d; ++i) {
-      a = std::fma(q0[i], k[j * key_stride + i], a);
-      b = std::fma(q1[i], k[j * key_stride + i], b);
+      a = std::fma(q0[i], to_float(k[j * key_stride + i]), a);
+      b = std::fma(q1[i], to_float(k[j * key_stride + i]), b);
     }
     s0[j] = a * scale;
     s1[j] = b * scale;
@@ -246,34 +251,35 @@ float softmax_numerators(float* p, int64_t n) {
 }
 
 // o[0, 8 * W) += sum over the n keys of a block of w[j] * value j, key by key in order.
-template <int W>
-void add_weighted_values(const float* w, const float* v, int64_t value_stride, int64_t n, float* o) {
+template <int W, typename KV>
+void add_weighted_values(const float* w, const KV* v, int64_t value_stride, int64_t n, float* o) {
 #ifdef __AVX2__
   __m256 acc[W];
   for (int c = 0; c < W; ++c) acc[c] = _mm256_loadu_ps(o + 8 * c);
   for (int64_t j = 0; j < n; ++j) {
     const __m256 wj = _mm256_set1_ps(w[j]);
-    for (int c = 0; c < W; ++c) acc[c] = _mm256_fmadd_ps(wj, _mm256_loadu_ps(v + j * value_stride + 8 * c), acc[c]);
+    for (int c = 0; c < W; ++c) acc[c] = _mm256_fmadd_ps(wj, load8(v + j * value_stride + 8 * c), acc[c]);
   }
   for (int c = 0; c < W; ++c) _mm256_storeu_ps(o + 8 * c, acc[c]);
 #else
   for (int64_t j = 0; j < n; ++j)
-    for (int64_t i = 0; i < 8 * W; ++i) o[i] = std::fma(w[j], v[j * value_stride + i], o[i]);
+    for (int64_t i = 0; i < 8 * W; ++i) o[i] = std::fma(w[j], to_float(v[j * value_stride + i]), o[i]);
 #endif
 }
 
 // The same over all d (a multiple of 8) dimensions, 64 at a time (8 registers of sums).
-void add_weighted_values(const float* w, const float* v, int64_t value_stride, int64_t n, int64_t d, float* o) {
+template <typename KV>
+void add_weighted_values(const float* w, const KV* v, int64_t value_stride, int64_t n, int64_t d, float* o) {
   int64_t i = 0;
-  for (; i + 64 <= d; i += 64) add_weighted_values<8>(w, v + i, value_stride, n, o + i);
+  for (; i + 64 <= d; i += 64) add_weighted_values<8, KV>(w, v + i, value_stride, n, o + i);
   switch ((d - i) / 8) {
-    case 7: return add_weighted_values<7>(w, v + i, value_stride, n, o + i);
-    case 6: return add_weighted_values<6>(w, v + i, value_stride, n, o + i);
-    case 5: return add_weighted_values<5>(w, v + i, value_stride, n, o + i);
-    case 4: return add_weighted_values<4>(w, v + i, value_stride, n, o + i);
-    case 3: return add_weighted_values<3>(w, v + i, value_stride, n, o + i);
-    case 2: return add_weighted_values<2>(w, v + i, value_stride, n, o + i);
-    case 1: return add_weighted_values<1>(w, v + i, value_stride, n, o + i);
+    case 7: return add_weighted_values<7, KV>(w, v + i, value_stride, n, o + i);
+    case 6: return add_weighted_values<6, KV>(w, v + i, value_stride, n, o + i);
+    case 5: return add_weighted_values<5, KV>(w, v + i, value_stride, n, o + i);
+    case 4: return add_weighted_values<4, KV>(w, v + i, value_stride, n, o + i);
+    case 3: return add_weighted_values<3, KV>(w, v + i, value_stride, n, o + i);
+    case 2: return add_weighted_values<2, KV>(w, v + i, value_stride, n, o + i);
+    case 1: return add_weighted_values<1, KV>(w, v + i, value_stride, n, o + i);
     default: return;
   }
 }
@@ -285,8 +291,9 @@ struct PromptScratch {
 // One task: `rows` consecutive query rows of one sequence, all `group` query heads of one KV
 // head. Scores for every row first (block by block, so a block's keys stay in L1 for all
 // rows), then each row's softmax, then the values block by block.
-void attend_prompt_rows(const PromptTask& t, const float* q, int64_t q_stride, const float* k_cache,
-                        const float* v_cache, const int64_t* table, int64_t first_pos, int64_t heads,
+template <typename KV>
+void attend_prompt_rows(const PromptTask& t, const float* q, int64_t q_stride, const KV* k_cache,
+                        const KV* v_cache, const int64_t* table, int64_t first_pos, int64_t heads,
                         int64_t kv_heads, int64_t d, int64_t block_size, float scale, float* out,
                         int64_t out_stride, PromptScratch& scratch) {
   const int64_t group = heads / kv_heads, vectors = group * t.rows;
@@ -301,7 +308,7 @@ void attend_prompt_rows(const PromptTask& t, const float* q, int64_t q_stride, c
 
   for (int64_t b = 0; b < blocks; ++b) {
     const int64_t start = b * block_size;
-    const float* k = k_cache + (table[b] * block_size * kv_heads + t.kv_head) * d;
+    const KV* k = k_cache + (table[b] * block_size * kv_heads + t.kv_head) * d;
     const int64_t first_vector = std::max<int64_t>(0, start - first_pos) * group;  // rows that see this block
     auto scores = [&](int64_t v) { return scratch.scores.data() + v * width + start; };
     int64_t v = first_vector;
@@ -319,7 +326,7 @@ void attend_prompt_rows(const PromptTask& t, const float* q, int64_t q_stride, c
     scratch.inv_sum[v] = 1.0f / softmax_numerators(scratch.scores.data() + v * width, keys_of(v));
   for (int64_t b = 0; b < blocks; ++b) {
     const int64_t start = b * block_size;
-    const float* values = v_cache + (table[b] * block_size * kv_heads + t.kv_head) * d;
+    const KV* values = v_cache + (table[b] * block_size * kv_heads + t.kv_head) * d;
     const int64_t first_vector = std::max<int64_t>(0, start - first_pos) * group;
     for (int64_t v = first_vector; v < vectors; ++v) {
       const int64_t n = std::min(block_size, keys_of(v) - start);
@@ -342,9 +349,9 @@ void attend_prompt_rows(const PromptTask& t, const float* q, int64_t q_stride, c
 // hold this step's K/V. q rows are q_stride apart, each [heads, d]; out rows out_stride apart.
 // Returns 0; -1 (computing nothing) if a table or position points outside the cache; -2 if
 // d or block_size is not a multiple of 8.
-extern "C" int ladle_prompt_attention(const float* q, int64_t q_stride, const float* k_cache, const float* v_cache,
-                                      int64_t num_blocks, const int64_t* block_tables, int64_t max_blocks,
-                                      const int64_t* row_starts, const int64_t* row_counts,
+extern "C" int ladle_prompt_attention(const float* q, int64_t q_stride, const void* k_cache, const void* v_cache,
+                                      int kv_bf16, int64_t num_blocks, const int64_t* block_tables,
+                                      int64_t max_blocks, const int64_t* row_starts, const int64_t* row_counts,
                                       const int64_t* first_positions, float* out, int64_t out_stride,
                                       int64_t num_seqs, int64_t heads, int64_t kv_heads, int64_t d,
                                       int64_t block_size, float scale, int threads) {
@@ -370,9 +377,14 @@ extern "C" int ladle_prompt_attention(const float* q, int64_t q_stride, const fl
 #pragma omp for schedule(dynamic)
     for (size_t i = 0; i < tasks.size(); ++i) {
       const PromptTask& t = tasks[i];
-      attend_prompt_rows(t, q, q_stride, k_cache, v_cache, block_tables + t.seq * max_blocks,
-                         first_positions[t.seq] + (t.first_row - row_starts[t.seq]), heads, kv_heads, d, block_size,
-                         scale, out, out_stride, scratch);
+      const int64_t first_pos = first_positions[t.seq] + (t.first_row - row_starts[t.seq]);
+      const int64_t* table = block_tables + t.seq * max_blocks;
+      if (kv_bf16)
+        attend_prompt_rows(t, q, q_stride, static_cast<const uint16_t*>(k_cache), static_cast<const uint16_t*>(v_cache),
+                           table, first_pos, heads, kv_heads, d, block_size, scale, out, out_stride, scratch);
+      else
+        attend_prompt_rows(t, q, q_stride, static_cast<const float*>(k_cache), static_cast<const float*>(v_cache),
+                           table, first_pos, heads, kv_heads, d, block_size, scale, out, out_stride, scratch);
     }
   }
   return 0;

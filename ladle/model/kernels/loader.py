@@ -52,11 +52,11 @@ class NativeKernels:
             ctypes.c_float, ctypes.c_int]
         self._decode_attention.restype = ctypes.c_int
         self._prompt_attention = lib.ladle_prompt_attention
-        self._prompt_attention.argtypes = [ptr, i64, ptr, ptr, i64, ptr, i64, ptr, ptr, ptr, ptr] + [i64] * 6 + [
-            ctypes.c_float, ctypes.c_int]
+        self._prompt_attention.argtypes = [ptr, i64, ptr, ptr, ctypes.c_int, i64, ptr, i64, ptr, ptr, ptr, ptr] + [
+            i64] * 6 + [ctypes.c_float, ctypes.c_int]
         self._prompt_attention.restype = ctypes.c_int
         self._write_kv = lib.ladle_write_kv
-        self._write_kv.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, ptr, i64, i64]
+        self._write_kv.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, ptr, i64, i64, i64]
         self._write_kv.restype = ctypes.c_int
         self._pack_panels = lib.ladle_pack_panels
         self._pack_panels.argtypes = [ptr, ptr, i64, i64, ctypes.c_int]
@@ -121,12 +121,14 @@ class NativeKernels:
                          block_tables: torch.Tensor, row_starts: torch.Tensor, row_counts: torch.Tensor,
                          first_positions: torch.Tensor, scale: float, out: torch.Tensor) -> None:
         """Causal attention for prompt rows, each row on its own (row-invariant): sequence s owns
-        rows [row_starts[s], + row_counts[s]) of q [T, H, D] (rows may be strided) and of out
-        [T, H * D] (written), at positions first_positions[s] onwards, over the blocks of
-        block_tables[s] (int64 [S, max_blocks]). D and the block size must be multiples of 8."""
+        rows [row_starts[s], + row_counts[s]) of q [T, H, D] (float32, rows may be strided) and of
+        out [T, H * D] (float32, written), at positions first_positions[s] onwards, over the blocks
+        of block_tables[s] (int64 [S, max_blocks]); caches in float32 or bfloat16. D and the block
+        size must be multiples of 8."""
         num_blocks, block_size, kv_heads, d = k_cache.shape
         status = self._prompt_attention(
-            q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), num_blocks, block_tables.data_ptr(),
+            q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), int(k_cache.dtype == torch.bfloat16),
+            num_blocks, block_tables.data_ptr(),
             block_tables.shape[1], row_starts.data_ptr(), row_counts.data_ptr(), first_positions.data_ptr(),
             out.data_ptr(), out.stride(0), block_tables.shape[0], q.shape[1], kv_heads, d, block_size, scale,
             torch.get_num_threads())
@@ -137,10 +139,12 @@ class NativeKernels:
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  slots: torch.Tensor) -> None:
-        """k_cache.view(-1, KVH, D)[slots] = k, and the same for v; rows of k, v may be strided."""
+        """k_cache.view(-1, KVH, D)[slots] = k, and the same for v, all of one dtype; rows of k, v
+        may be strided."""
         width = k.shape[1] * k.shape[2]
         if self._write_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k_cache.data_ptr(),
-                          v_cache.data_ptr(), k_cache.numel() // width, slots.data_ptr(), k.shape[0], width):
+                          v_cache.data_ptr(), k_cache.numel() // width, slots.data_ptr(), k.shape[0], width,
+                          k.element_size()):
             raise IndexError("write_kv: a slot is outside the KV cache")
 
 
