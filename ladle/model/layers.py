@@ -100,8 +100,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up, computed in place in gate_up's first half (rows stay gate_up's stride):
+    no new [T, intermediate] tensors, the same bits as the out-of-place ops."""
     gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    return F.silu(gate, inplace=True).mul_(up)
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
