@@ -14,6 +14,7 @@ from server_utils import MODEL, NUM_KV_BLOCKS, Server, ServerThread
 from ladle.config import EngineConfig
 from ladle.engine.async_engine import AsyncEngine
 from ladle.engine.engine import LLMEngine
+from ladle.model.kernels import loader
 from ladle.model.loader import default_gguf_path, resolve_model_path
 from ladle.server.app import create_app
 
@@ -34,6 +35,18 @@ def smollm2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
             os.environ.pop("LADLE_CACHE_DIR", None)
         else:
             os.environ["LADLE_CACHE_DIR"] = old
+
+
+@pytest.fixture(params=["native", "torch"])
+def kernels(request, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Both kernel paths: the native kernels (canonical matmul, row-invariant attention), and
+    torch without them (fixed-shape matmul calls, block-aligned attention tiles)."""
+    if request.param == "torch":
+        monkeypatch.setenv("LADLE_NATIVE_KERNELS", "0")
+    loader.reset()
+    yield request.param
+    monkeypatch.undo()
+    loader.reset()
 
 
 @pytest.fixture(scope="session")

@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 
 from ladle import LLM, SamplingParams
-from ladle.model.kernels import loader
 
 WORDS = ["alpha", "beta", "ticket", "failing", "integration", "billing", "server", "network"]
 
@@ -22,17 +21,6 @@ def question(llm: LLM, text: str, i: int) -> str:
 def text() -> str:
     rng = random.Random(0)
     return " ".join(rng.choice(WORDS) for _ in range(300))
-
-
-@pytest.fixture(params=["native", "torch"])
-def kernels(request, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Both attention paths: the native row-invariant kernel, and block-aligned tiles without it."""
-    if request.param == "torch":
-        monkeypatch.setenv("LADLE_NATIVE_KERNELS", "0")
-    loader.reset()
-    yield request.param
-    monkeypatch.undo()
-    loader.reset()
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

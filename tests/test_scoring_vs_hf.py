@@ -18,7 +18,6 @@ from ladle.config import EngineConfig
 from ladle.decisions.pipeline import prepare
 from ladle.decisions.question import Option, Question
 from ladle.decisions.render import template_kwargs
-from ladle.model.kernels import loader
 
 # Absolute, on full-vocabulary log-probabilities (the labels', and the greedy tokens'). Measured on a
 # 2-core AVX-512 CPU: labels at most 3.2e-5 with the native kernels and 1.1e-5 without (their values run
@@ -50,17 +49,6 @@ GREEDY_PROMPTS = [
     "<|im_start|>user\nName three rivers in Europe.<|im_end|>\n<|im_start|>assistant\n",
     "In 1969, the Apollo 11 mission landed the first humans on the Moon. The crew was " * 3,
 ]
-
-
-@pytest.fixture(params=["native", "torch"])
-def kernels(request, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Both kernel paths, as tests/test_deterministic.py runs them: the native kernels, and torch without them."""
-    if request.param == "torch":
-        monkeypatch.setenv("LADLE_NATIVE_KERNELS", "0")
-    loader.reset()
-    yield request.param
-    monkeypatch.undo()
-    loader.reset()
 
 
 class Reference:
