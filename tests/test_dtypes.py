@@ -4,6 +4,7 @@ natively, and the reduced dtypes against transformers in the same dtype on the s
 from __future__ import annotations
 
 import logging
+import re
 from pathlib import Path
 
 import pytest
@@ -32,7 +33,9 @@ def test_auto_takes_bf16_on_amx_and_fp32_without_native_bf16() -> None:
 
 def test_auto_measures_where_only_avx512_bf16_is_there() -> None:
     choice = dtypes.choose_dtype("auto", {"avx512f", "avx512_bf16"})
-    assert choice.name in ("float32", "bfloat16") and "GFLOP/s" in choice.reason  # the measured figures
+    assert choice.name in ("float32", "bfloat16") and "ms in bf16 against" in choice.reason  # the measured figures
+    fp32, bf16 = (float(x) for x in re.findall(r"take ([0-9.]+) ms in bf16 against ([0-9.]+)", choice.reason)[0][::-1])
+    assert (choice.name == "bfloat16") == (fp32 >= dtypes.MIN_SPEEDUP * bf16)
 
 
 def test_a_dtype_without_hardware_warns_and_says_what_it_costs(caplog: pytest.LogCaptureFixture) -> None:
