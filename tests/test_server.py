@@ -41,7 +41,10 @@ def test_models_health_version(server: Server, client: openai.OpenAI) -> None:
     assert [m.id for m in models] == [MODEL]
     assert client.models.retrieve(MODEL).id == MODEL
     assert httpx.get(f"{server.url}/health").status_code == 200
-    assert httpx.get(f"{server.url}/version").json()["version"]
+    version = httpx.get(f"{server.url}/version").json()
+    assert version["version"] and version["dtype"] == version["kv_cache_dtype"] == "float32"
+    assert version["dtype_reason"] and version["kernels"] in ("avx512", "avx2", "scalar", "torch")
+    assert version["matmul"].startswith("decode ")
 
 
 def test_chat(server: Server, client: openai.OpenAI) -> None:
@@ -358,3 +361,4 @@ def test_ladle_serve_subprocess() -> None:
             out, _ = proc.communicate()
     assert proc.returncode == 0, out
     assert f"http://127.0.0.1:{port}/v1" in out
+    assert "ladle: dtype float32 (requested)" in out and "matmuls: decode " in out  # LADLE_DTYPE from conftest

@@ -40,8 +40,10 @@ def run(args: argparse.Namespace) -> int:
     app = create_app(engine, name, api_key=args.api_key,
                      max_body_bytes=args.max_request_body_bytes or DEFAULT_MAX_BODY_BYTES)
     host = f"[{args.host}]" if ":" in args.host else args.host
-    print(f"ladle: serving {name} (max_model_len {engine.max_model_len}) at http://{host}:{args.port}/v1",
-          file=sys.stderr, flush=True)
+    info = engine.runtime_info
+    print(f"ladle: serving {name} (max_model_len {engine.max_model_len}) at http://{host}:{args.port}/v1\n"
+          f"ladle: dtype {info['dtype']} ({info['dtype_reason']}); KV cache {info['kv_cache_dtype']}; "
+          f"kernels {info['kernels']}; matmuls: {info['matmul']}", file=sys.stderr, flush=True)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level, timeout_keep_alive=30)
     finally:
