@@ -279,3 +279,19 @@ def test_build_goes_to_the_ladle_cache(monkeypatch: pytest.MonkeyPatch, tmp_path
     assert loader.build_dir().parent == tmp_path / "kernels"
     monkeypatch.delenv("LADLE_CACHE_DIR")
     assert loader.build_dir().parent == Path.home() / ".cache" / "ladle" / "kernels"
+
+
+def test_rms_norm_bf16_rounds_as_transformers_does(native) -> None:
+    """bf16 RMSNorm: normalise in float32, round to bf16, scale by the bf16 weight, round again."""
+    gen = torch.Generator().manual_seed(9)
+    x = (torch.randn(37, 576, generator=gen) * 3).to(torch.bfloat16)
+    w = torch.randn(576, generator=gen).to(torch.bfloat16)
+    xf = x.double()
+    normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)).float().to(torch.bfloat16)
+    ref = (w.float() * normed.float()).to(torch.bfloat16)
+    y = native.rms_norm(x, w, 1e-5)
+    assert y.dtype == torch.bfloat16
+    # the only freedom is the float32 rounding of the sum of squares and the root: at most one bf16 step
+    assert torch.allclose(y.float(), ref.float(), rtol=2**-7, atol=0)
+    assert (y == ref).float().mean() > 0.99
+    assert torch.equal(native.rms_norm(x[5:6], w, 1e-5), y[5:6])  # a row alone: the same bits

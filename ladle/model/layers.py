@@ -71,7 +71,7 @@ class Linear:
         return torch.cat([F.linear(chunk, self.weight, self.bias) for chunk in padded.split(step)])[:rows]
 
     def _native_input(self, x: torch.Tensor) -> bool:
-        return _native_operand(x) and x.shape[1] == self.in_features
+        return x.dtype == torch.float32 and _native_operand(x) and x.shape[1] == self.in_features
 
     @property
     def nbytes(self) -> int:
@@ -81,21 +81,22 @@ class Linear:
 
 def _native_operand(x: torch.Tensor, dim: int = 2) -> bool:
     # The kernels trust their operands (raw pointers), so anything unusual goes to torch.
-    return x.dtype == torch.float32 and x.is_cpu and x.dim() == dim and x.is_contiguous() and not x.requires_grad
+    return x.dtype in (torch.float32, torch.bfloat16) and x.is_cpu and x.dim() == dim and x.is_contiguous() and not x.requires_grad
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Native for any number of rows, not just decode steps: a row then gets the same bits
+    # whatever its batch, as batch-invariant mode needs.
+    native_dtype = x.dtype in (torch.float32, torch.bfloat16) and weight.dtype == x.dtype
+    if native_dtype and _native_operand(x) and _native_operand(weight, dim=1) and weight.shape[0] == x.shape[1]:
+        native = kernels.native_kernels()
+        if native is not None:  # 2 us against F.rms_norm's 7 on a decode step's row
+            return native.rms_norm(x, weight, eps)
     if x.dtype != torch.float32:
         # as transformers computes it in reduced precision: normalise in fp32, round, then scale
         xf = x.float()
         normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
         return weight * normed.to(x.dtype)
-    # Native for any number of rows, not just decode steps: a row then gets the same bits
-    # whatever its batch, as batch-invariant mode needs.
-    if _native_operand(x) and _native_operand(weight, dim=1) and weight.shape[0] == x.shape[1]:
-        native = kernels.native_kernels()
-        if native is not None:  # 2 us against F.rms_norm's 7 on a decode step's row
-            return native.rms_norm(x, weight, eps)
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 

@@ -47,6 +47,9 @@ class NativeKernels:
         self._rms_norm = lib.ladle_rms_norm
         self._rms_norm.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_float, ctypes.c_int]
         self._rms_norm.restype = None
+        self._rms_norm_bf16 = lib.ladle_rms_norm_bf16
+        self._rms_norm_bf16.argtypes = self._rms_norm.argtypes
+        self._rms_norm_bf16.restype = None
         self._decode_attention = lib.ladle_decode_attention
         self._decode_attention.argtypes = [ptr, i64, ptr, ptr, i64, ptr, i64, ptr, ptr] + [i64] * 5 + [
             ctypes.c_float, ctypes.c_int]
@@ -96,10 +99,10 @@ class NativeKernels:
         return y
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        """RMSNorm over the last dim of a 2-D x."""
+        """RMSNorm over the last dim of a 2-D x; x and weight both float32 or both bfloat16."""
         y = torch.empty_like(x)
-        self._rms_norm(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.shape[0], x.shape[1], eps,
-                       torch.get_num_threads())
+        fn = self._rms_norm_bf16 if x.dtype == torch.bfloat16 else self._rms_norm
+        fn(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.shape[0], x.shape[1], eps, torch.get_num_threads())
         return y
 
     def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -1,12 +1,44 @@
 // y[m, n] = w * (x / sqrt(mean(x^2) + eps)) row by row: transformers' RMSNorm in float32,
-// squares rounded before they are summed as torch's pow-then-mean rounds them.
+// squares rounded before they are summed as torch's pow-then-mean rounds them. In bfloat16
+// as transformers does it there: normalise in float32, round to bf16, then scale by the
+// bf16 weight and round again.
 
-#include <immintrin.h>
+#include "simd.h"
 
 #include <cmath>
 #include <cstdint>
 
 namespace {
+
+// float32 to bfloat16 bits, rounding to nearest even (finite inputs).
+inline uint16_t to_bf16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  return static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
+
+void rms_norm_row_bf16(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_t n, float eps) {
+  float sum = 0;
+  int64_t i = 0;
+#ifdef __AVX2__
+  __m256 acc = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = load8(x + i);
+    acc = _mm256_add_ps(acc, _mm256_mul_ps(v, v));
+  }
+  sum = hsum(acc);
+#endif
+  for (; i < n; ++i) {
+    const float v = to_float(x[i]);
+    const float sq = v * v;
+    sum += sq;
+  }
+  const float inv = 1.0f / std::sqrt(sum / static_cast<float>(n) + eps);
+  for (int64_t j = 0; j < n; ++j) {
+    const float normed = to_float(to_bf16(to_float(x[j]) * inv));
+    y[j] = to_bf16(to_float(w[j]) * normed);
+  }
+}
 
 void rms_norm_row(const float* x, const float* w, float* y, int64_t n, float eps) {
   float sum = 0;
@@ -41,4 +73,11 @@ extern "C" void ladle_rms_norm(const float* x, const float* w, float* y, int64_t
                                int threads) {
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && m * n >= (1 << 15))
   for (int64_t row = 0; row < m; ++row) rms_norm_row(x + row * n, w, y + row * n, n, eps);
+}
+
+// The same for bfloat16 x, w and y (their bits as uint16_t).
+extern "C" void ladle_rms_norm_bf16(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_t m, int64_t n, float eps,
+                                    int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && m * n >= (1 << 15))
+  for (int64_t row = 0; row < m; ++row) rms_norm_row_bf16(x + row * n, w, y + row * n, n, eps);
 }
