@@ -116,7 +116,7 @@ def prefill_tok_s(llm: LLM, n: int = 8, prompt_len: int = 512) -> float:
 def run_dtype(dtype: str, args: argparse.Namespace, cases: list[str]) -> dict:
     llm = LLM(args.model, max_num_seqs=16, max_num_batched_tokens=args.max_num_batched_tokens, dtype=dtype)
     torch_dtype = llm.engine.dtype.dtype
-    report: dict = {"dtype": llm.engine.dtype.name, "why": llm.engine.dtype.reason, **llm.engine.runtime_info()}
+    report: dict = llm.engine.runtime_info()  # dtype, why, KV dtype, kernels, matmul route
     print(f"\n=== --dtype {dtype}: {llm.engine.dtype.name} ({llm.engine.dtype.reason}); "
           f"kernels {llm.engine.isa}")
     hf = None

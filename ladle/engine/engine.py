@@ -20,8 +20,8 @@ from ladle.engine.scheduler import Scheduler
 from ladle.engine.stop import OutputTextTracker
 from ladle.engine.threads import claim_compute
 from ladle.errors import InvalidRequestError
-from ladle.model.attention import KVCache
 from ladle.model import kernels
+from ladle.model.attention import KVCache
 from ladle.model.config import ModelConfig
 from ladle.model.dtype import DTYPES, canonical_name, choose_dtype
 from ladle.model.loader import load_weights, resolve_model_path

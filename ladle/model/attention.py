@@ -167,8 +167,8 @@ class TorchPagedAttention:
         if native is not None:  # every canonical span in one call, each row computed on its own
             rows = meta.canonical
             o32 = out if out.dtype == torch.float32 else torch.empty_like(out, dtype=torch.float32)
-            native.prompt_attention(q.float(), self.cache.k[layer], self.cache.v[layer], rows.block_tables, rows.row_starts,
-                                    rows.row_counts, rows.first_positions, self.head_dim**-0.5, o32)
+            native.prompt_attention(q.float(), self.cache.k[layer], self.cache.v[layer], rows.block_tables,
+                                    rows.row_starts, rows.row_counts, rows.first_positions, self.head_dim**-0.5, o32)
             if o32 is not out:
                 for span in meta.prefills:
                     if span.canonical:

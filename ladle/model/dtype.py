@@ -12,12 +12,12 @@ matmuls ladle would run on AVX512-BF16, and stays fp32 elsewhere.
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 
 import torch
 
 from ladle.model.kernels.loader import cpu_flags, native_kernels
+from ladle.model.kernels.routing import best_seconds
 
 logger = logging.getLogger(__name__)
 
@@ -84,22 +84,13 @@ def serving_matmul_ms(dtype: torch.dtype, k: int = 896, n: int = 4864) -> float:
     bf16 path widens the weights on the fly) or, without it, torch."""
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(n, k, generator=gen).to(dtype)
+    prefill_rows, decode_row = torch.randn(SERVING_TOKENS, k, generator=gen), torch.randn(1, k, generator=gen)
     native = native_kernels()
     if native is not None:
         packed = native.pack_panels(w)
         run = lambda x: native.canonical_linear(x, packed, n)  # noqa: E731
     else:
         run = lambda x: torch.nn.functional.linear(x.to(dtype), w)  # noqa: E731
-    prefill = _best_seconds(run, torch.randn(SERVING_TOKENS, k, generator=gen), 3)
-    decode = _best_seconds(run, torch.randn(1, k, generator=gen), 7)
+    prefill = best_seconds(lambda: run(prefill_rows), 3)
+    decode = best_seconds(lambda: run(decode_row), 7)
     return (prefill + SERVING_TOKENS * decode) * 1e3
-
-
-def _best_seconds(run, x: torch.Tensor, repeats: int) -> float:
-    run(x)
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run(x)
-        best = min(best, time.perf_counter() - start)
-    return best

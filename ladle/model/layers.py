@@ -52,15 +52,14 @@ class Linear:
         """Pack W for the canonical kernel now rather than on the first call that needs it."""
         native = kernels.native_kernels()
         if native is not None and self._panels is None:
-            w = self.weight if self.weight.dtype in (torch.float32, torch.bfloat16) else self.weight.float()
-            self._panels = native.pack_panels(w)
+            self._panels = native.pack_panels(self.weight)
 
     def _canonical(self, x: torch.Tensor) -> torch.Tensor:
         native = kernels.native_kernels() if x.is_cpu and x.dim() == 2 and x.stride(1) == 1 else None
         if native is None:
             return self._fixed_shape(x)
         if self._panels is None:
-            self.pack()  # bf16 panels are read as they are; fp16 is widened once (exact) to fp32 panels
+            self.pack()
         y = native.canonical_linear(x.float(), self._panels, self.out_features, self._bias32)
         return y if x.dtype == torch.float32 else y.to(x.dtype)
 
@@ -81,14 +80,15 @@ class Linear:
 
 def _native_operand(x: torch.Tensor, dim: int = 2) -> bool:
     # The kernels trust their operands (raw pointers), so anything unusual goes to torch.
-    return x.dtype in (torch.float32, torch.bfloat16) and x.is_cpu and x.dim() == dim and x.is_contiguous() and not x.requires_grad
+    return (x.dtype in (torch.float32, torch.bfloat16) and x.is_cpu and x.dim() == dim and x.is_contiguous()
+            and not x.requires_grad)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # Native for any number of rows, not just decode steps: a row then gets the same bits
     # whatever its batch, as batch-invariant mode needs.
-    native_dtype = x.dtype in (torch.float32, torch.bfloat16) and weight.dtype == x.dtype
-    if native_dtype and _native_operand(x) and _native_operand(weight, dim=1) and weight.shape[0] == x.shape[1]:
+    matches = weight.dtype == x.dtype and weight.shape[0] == x.shape[-1]
+    if matches and _native_operand(x) and _native_operand(weight, dim=1):
         native = kernels.native_kernels()
         if native is not None:  # 2 us against F.rms_norm's 7 on a decode step's row
             return native.rms_norm(x, weight, eps)

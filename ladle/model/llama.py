@@ -66,9 +66,10 @@ class LlamaForCausalLM:
         self.q_size = cfg.num_attention_heads * cfg.head_dim
         self.kv_size = cfg.num_key_value_heads * cfg.head_dim
         self.routing = choose_routing(kernels.native_kernels(), [lin.weight for lin in self.layers[0].linears])
+        packs = "canonical" in (self.routing.decode, self.routing.prefill)
         for lin in self.linears:
             lin.routing = self.routing
-            if "canonical" in (self.routing.decode, self.routing.prefill):
+            if packs:  # now, not on the first request
                 lin.pack()
 
     @property

@@ -4,10 +4,11 @@
 // Decode: one query token per sequence. Replaces the torch path, whose fixed costs dominate
 // at decode sizes; and the index_copy_ that writes the new K/V.
 //
-// Prompt rows, row-invariant (K/V in float32 or bfloat16): each query row is computed by the same sequence of operations
-// whatever else shares the call (other rows of its chunk, other sequences, where its chunk
-// began), so a prompt scored cold, from a cached prefix or inside any batch gives
-// bit-identical outputs. Scoring and --deterministic rely on it.
+// Prompt rows, row-invariant (K/V in float32 or bfloat16): each query row is computed by
+// the same sequence of operations whatever else shares the call (other rows of its chunk,
+// other sequences, where its chunk began), so a prompt scored cold, from a cached prefix or
+// inside any batch gives bit-identical outputs. Scoring, --deterministic and every decode
+// step rely on it.
 
 #include "simd.h"
 

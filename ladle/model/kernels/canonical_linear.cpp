@@ -27,26 +27,13 @@ namespace {
 constexpr int64_t kPanel = 16;  // columns per packed panel
 constexpr int64_t kRowBlock = 96;  // rows whose x stays in L2 while W panels stream past
 
-inline float bf16_to_float(uint16_t h) {
-  uint32_t bits = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
-template <typename W>
-inline float weight_at(const W* p, int64_t i) {
-  if constexpr (sizeof(W) == 2) return bf16_to_float(p[i]);
-  else return p[i];
-}
-
 // The reference order, one element at a time: every vector path must agree with it bit for bit.
 template <typename W>
 void tile_scalar(const float* x, int64_t ldx, const W* panel, int64_t k, int64_t rows, int64_t cols, float* c) {
   for (int64_t m = 0; m < rows; ++m)
     for (int64_t j = 0; j < cols; ++j) {
       float acc = 0.0f;
-      for (int64_t i = 0; i < k; ++i) acc = std::fma(x[m * ldx + i], weight_at(panel, i * kPanel + j), acc);
+      for (int64_t i = 0; i < k; ++i) acc = std::fma(x[m * ldx + i], to_float(panel[i * kPanel + j]), acc);
       c[m * kPanel + j] = acc;
     }
 }
@@ -83,27 +70,13 @@ void tile(const float* x, int64_t ldx, const W* panels, int64_t panel_stride, in
 constexpr int kTileRows = 6;  // 6 rows x 2 ymm (one panel) = 12 accumulators
 constexpr int kTilePanels = 1;
 
-template <typename W>
-inline void load_panel(const W* p, __m256& lo, __m256& hi) {
-  if constexpr (sizeof(W) == 2) {
-    const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p));
-    const __m256i g = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(p + 8)));
-    lo = _mm256_castsi256_ps(_mm256_slli_epi32(h, 16));
-    hi = _mm256_castsi256_ps(_mm256_slli_epi32(g, 16));
-  } else {
-    lo = _mm256_loadu_ps(p);
-    hi = _mm256_loadu_ps(p + 8);
-  }
-}
-
 template <int R, int P, typename W>
 void tile(const float* x, int64_t ldx, const W* panels, int64_t, int64_t k, float* c) {
   static_assert(P == 1, "AVX2 tiles are one panel wide");
   __m256 lo[R], hi[R];
   for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
   for (int64_t i = 0; i < k; ++i) {
-    __m256 wl, wh;
-    load_panel(panels + i * kPanel, wl, wh);
+    const __m256 wl = load8(panels + i * kPanel), wh = load8(panels + i * kPanel + 8);
     for (int r = 0; r < R; ++r) {
       const __m256 xv = _mm256_broadcast_ss(x + r * ldx + i);
       lo[r] = _mm256_fmadd_ps(xv, wl, lo[r]);

@@ -71,8 +71,12 @@ class NativeKernels:
         self.isa: str = lib.ladle_isa().decode()
 
     def pack_panels(self, weight: torch.Tensor) -> torch.Tensor:
-        """weight [out, in] (float32 or bfloat16, contiguous) in the canonical kernel's layout:
-        16-column panels, [ceil(out / 16), in, 16], zero-padded."""
+        """weight [out, in] in the canonical kernel's layout: 16-column panels, [ceil(out / 16),
+        in, 16], zero-padded; bf16 stays bf16 (widened on the fly), anything else becomes
+        float32 (exactly, for fp16)."""
+        if weight.dtype not in (torch.float32, torch.bfloat16):
+            weight = weight.float()
+        weight = weight.contiguous()
         n, k = weight.shape
         out = torch.empty(-(-n // 16), k, 16, dtype=weight.dtype)
         self._pack_panels(weight.data_ptr(), out.data_ptr(), n, k, int(weight.dtype == torch.bfloat16))

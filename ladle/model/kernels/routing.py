@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -51,7 +52,7 @@ def choose_routing(native: NativeKernels | None, weights: list[torch.Tensor]) ->
     dtype = weights[0].dtype
     decode = ["canonical", "torch"] + (["small"] if dtype == torch.float32 else [])
     prefill = ["canonical", "torch"]
-    packed = [native.pack_panels(w if w.dtype in (torch.float32, torch.bfloat16) else w.float()) for w in weights]
+    packed = [native.pack_panels(w) for w in weights]
     timings = {}
     for size, rows, names in (("decode", DECODE_ROWS, decode), ("prefill", PREFILL_ROWS, prefill)):
         for name in names:
@@ -72,15 +73,9 @@ def forced_routing() -> MatmulRouting | None:
     return MatmulRouting(decode, prefill, "forced by LADLE_MATMUL")
 
 
-def _time(native: NativeKernels, name: str, w: torch.Tensor, packed: torch.Tensor, rows: int, repeats: int = 5) -> float:
-    x = torch.randn(rows, w.shape[1], generator=torch.Generator().manual_seed(rows))
-    if name == "small":
-        call = lambda: native.linear(x, w)  # noqa: E731
-    elif name == "canonical":
-        call = lambda: native.canonical_linear(x, packed, w.shape[0])  # noqa: E731
-    else:
-        xt = x.to(w.dtype)
-        call = lambda: torch.nn.functional.linear(xt, w)  # noqa: E731
+def best_seconds(call: Callable[[], object], repeats: int = 5) -> float:
+    """The fastest of `repeats` timed calls after a warm-up, so another process's time slice
+    does not decide a choice."""
     call()
     best = float("inf")
     for _ in range(repeats):
@@ -88,3 +83,13 @@ def _time(native: NativeKernels, name: str, w: torch.Tensor, packed: torch.Tenso
         call()
         best = min(best, time.perf_counter() - start)
     return best
+
+
+def _time(native: NativeKernels, name: str, w: torch.Tensor, packed: torch.Tensor, rows: int) -> float:
+    x = torch.randn(rows, w.shape[1], generator=torch.Generator().manual_seed(rows))
+    if name == "small":
+        return best_seconds(lambda: native.linear(x, w))
+    if name == "canonical":
+        return best_seconds(lambda: native.canonical_linear(x, packed, w.shape[0]))
+    xt = x.to(w.dtype)
+    return best_seconds(lambda: torch.nn.functional.linear(xt, w))
