@@ -30,11 +30,14 @@ class BlockPool:
 
     def __init__(self, num_blocks: int):
         self.num_blocks = num_blocks
-        self.free_ids: deque[int] = deque(range(num_blocks))
+        # a stack: the block freed last is handed out first, so the pages in use stay few and
+        # warm (caches, TLB) and a fresh block's first-touch page faults are paid only while
+        # the pool grows, not on every pass through it
+        self.free_ids: deque[int] = deque(range(num_blocks - 1, -1, -1))
         self.ref_counts = [0] * num_blocks
 
     def take_free(self) -> int:
-        block_id = self.free_ids.popleft()
+        block_id = self.free_ids.pop()
         self.ref_counts[block_id] = 1
         return block_id
 

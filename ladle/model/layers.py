@@ -54,6 +54,11 @@ class Linear:
         if native is not None and self._panels is None:
             self._panels = native.pack_panels(self.weight)
 
+    @property
+    def packed(self) -> torch.Tensor | None:
+        """W in the canonical kernel's panel layout (None until packed or without native kernels)."""
+        return self._panels
+
     def _canonical(self, x: torch.Tensor) -> torch.Tensor:
         native = kernels.native_kernels() if x.is_cpu and x.dim() == 2 and x.stride(1) == 1 else None
         if native is None:

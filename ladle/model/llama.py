@@ -65,12 +65,13 @@ class LlamaForCausalLM:
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         self.q_size = cfg.num_attention_heads * cfg.head_dim
         self.kv_size = cfg.num_key_value_heads * cfg.head_dim
-        self.routing = choose_routing(kernels.native_kernels(), [lin.weight for lin in self.layers[0].linears])
-        packs = "canonical" in (self.routing.decode, self.routing.prefill)
+        for lin in self.linears:  # now, not on the first canonical (scoring) request
+            lin.pack()
+        layer_linears = [lin for layer in self.layers for lin in layer.linears]
+        self.routing = choose_routing(kernels.native_kernels(), [lin.weight for lin in layer_linears],
+                                      [lin.packed for lin in layer_linears])
         for lin in self.linears:
             lin.routing = self.routing
-            if packs:  # now, not on the first request
-                lin.pack()
 
     @property
     def linears(self) -> list[Linear]:

@@ -25,7 +25,31 @@
 namespace {
 
 constexpr int64_t kPanel = 16;  // columns per packed panel
-constexpr int64_t kRowBlock = 96;  // rows whose x stays in L2 while W panels stream past
+// W is read from memory once per block of rows, so blocks are large: x rows up to this many
+// bytes (they are read from L2/L3 as broadcasts while each W panel group sits in L2).
+constexpr int64_t kRowBlockBytes = 8 << 20;
+constexpr int64_t kLine = 64;  // bytes per cache line
+
+// W streams from memory (a model's weights do not stay in cache from one call to the next),
+// so while the row tiles of one panel group run, they prefetch the next group into L2, each
+// tile an equal share of its lines, one or two lines per step of its k loop.
+struct Prefetch {
+  const char* base = nullptr;
+  int64_t lines = 0;
+
+  inline void step(int64_t i, int64_t k) const {
+    if (i < lines) __builtin_prefetch(base + i * kLine, 0, 2);
+    if (i + k < lines) __builtin_prefetch(base + (i + k) * kLine, 0, 2);
+  }
+};
+
+// Tile `index` of `tiles`'s share of the `bytes` at `next` (nullptr: nothing to fetch).
+inline Prefetch prefetch_share(const void* next, int64_t bytes, int64_t index, int64_t tiles) {
+  if (next == nullptr) return {};
+  const int64_t lines = bytes / kLine, share = (lines + tiles - 1) / tiles;
+  const int64_t first = std::min(lines, index * share);
+  return {static_cast<const char*>(next) + first * kLine, std::min(share, lines - first)};
+}
 
 // The reference order, one element at a time: every vector path must agree with it bit for bit.
 template <typename W>
@@ -51,11 +75,13 @@ inline __m512 load_panel(const W* p) {
 
 // R rows x P panels over all k; c[m][P * 16] receives the sums.
 template <int R, int P, typename W>
-void tile(const float* x, int64_t ldx, const W* panels, int64_t panel_stride, int64_t k, float* c) {
+void tile(const float* x, int64_t ldx, const W* panels, int64_t panel_stride, int64_t k, float* c,
+          Prefetch prefetch) {
   __m512 acc[R][P];
   for (int r = 0; r < R; ++r)
     for (int p = 0; p < P; ++p) acc[r][p] = _mm512_setzero_ps();
   for (int64_t i = 0; i < k; ++i) {
+    prefetch.step(i, k);
     __m512 w[P];
     for (int p = 0; p < P; ++p) w[p] = load_panel(panels + p * panel_stride + i * kPanel);
     for (int r = 0; r < R; ++r) {
@@ -71,11 +97,12 @@ constexpr int kTileRows = 6;  // 6 rows x 2 ymm (one panel) = 12 accumulators
 constexpr int kTilePanels = 1;
 
 template <int R, int P, typename W>
-void tile(const float* x, int64_t ldx, const W* panels, int64_t, int64_t k, float* c) {
+void tile(const float* x, int64_t ldx, const W* panels, int64_t, int64_t k, float* c, Prefetch prefetch) {
   static_assert(P == 1, "AVX2 tiles are one panel wide");
   __m256 lo[R], hi[R];
   for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
   for (int64_t i = 0; i < k; ++i) {
+    prefetch.step(i, k);
     const __m256 wl = load8(panels + i * kPanel), wh = load8(panels + i * kPanel + 8);
     for (int r = 0; r < R; ++r) {
       const __m256 xv = _mm256_broadcast_ss(x + r * ldx + i);
@@ -93,7 +120,7 @@ constexpr int kTileRows = 4;
 constexpr int kTilePanels = 1;
 
 template <int R, int P, typename W>
-void tile(const float* x, int64_t ldx, const W* panels, int64_t, int64_t k, float* c) {
+void tile(const float* x, int64_t ldx, const W* panels, int64_t, int64_t k, float* c, Prefetch) {
   tile_scalar(x, ldx, panels, k, R, kPanel, c);
 }
 #endif
@@ -101,12 +128,13 @@ void tile(const float* x, int64_t ldx, const W* panels, int64_t, int64_t k, floa
 // Dispatches a tile of `rows` (<= kTileRows) rows to the instantiation for that count.
 template <int P, typename W, int R = kTileRows>
 void tile_rows(int64_t rows, const float* x, int64_t ldx, const W* panels, int64_t panel_stride, int64_t k,
-               float* c) {
+               float* c, Prefetch prefetch) {
   if constexpr (R > 0) {
-    if (rows == R) return tile<R, P>(x, ldx, panels, panel_stride, k, c);
-    return tile_rows<P, W, R - 1>(rows, x, ldx, panels, panel_stride, k, c);
+    if (rows == R) return tile<R, P>(x, ldx, panels, panel_stride, k, c, prefetch);
+    return tile_rows<P, W, R - 1>(rows, x, ldx, panels, panel_stride, k, c, prefetch);
   }
 }
+
 
 // Columns [16 * first_panel, 16 * end_panel) of rows [m0, m1).
 template <typename W>
@@ -117,10 +145,17 @@ void column_range(const float* x, int64_t ldx, const W* wp, const float* bias, f
   for (int64_t p = first_panel; p < end_panel; p += kTilePanels) {
     const int panels = static_cast<int>(std::min<int64_t>(kTilePanels, end_panel - p));
     const W* w = wp + p * panel_stride;
+    // the next group in this range, or the range's first for the next row block
+    const int64_t next_p = p + kTilePanels < end_panel ? p + kTilePanels : first_panel;
+    const int64_t next_panels = std::min<int64_t>(kTilePanels, end_panel - next_p);
+    const W* next = next_p == p ? nullptr : wp + next_p * panel_stride;
+    const int64_t next_bytes = next_panels * panel_stride * int64_t(sizeof(W));
+    const int64_t tiles = (m1 - m0 + kTileRows - 1) / kTileRows;
     for (int64_t m = m0; m < m1; m += kTileRows) {
       const int64_t rows = std::min<int64_t>(kTileRows, m1 - m);
-      if (panels == kTilePanels) tile_rows<kTilePanels>(rows, x + m * ldx, ldx, w, panel_stride, k, c);
-      else tile_rows<1>(rows, x + m * ldx, ldx, w, panel_stride, k, c);
+      const Prefetch pf = prefetch_share(next, next_bytes, (m - m0) / kTileRows, tiles);
+      if (panels == kTilePanels) tile_rows<kTilePanels>(rows, x + m * ldx, ldx, w, panel_stride, k, c, pf);
+      else tile_rows<1>(rows, x + m * ldx, ldx, w, panel_stride, k, c, pf);
       const int64_t width = panels * kPanel;
       const int64_t col0 = p * kPanel, cols = std::min<int64_t>(width, n - col0);
       for (int64_t r = 0; r < rows; ++r) {
@@ -139,6 +174,7 @@ void canonical_linear(const float* x, int64_t ldx, const W* wp, const float* bia
   const int64_t tiles = (panels + kTilePanels - 1) / kTilePanels;
   if (m * n * k < (int64_t(1) << 18)) threads = 1;
   threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, tiles)));
+  const int64_t row_block = std::max<int64_t>(1, kRowBlockBytes / (k * int64_t(sizeof(float))) / kTileRows) * kTileRows;
 #pragma omp parallel num_threads(threads) if (threads > 1)
   {
 #ifdef _OPENMP
@@ -148,8 +184,8 @@ void canonical_linear(const float* x, int64_t ldx, const W* wp, const float* bia
 #endif
     const int64_t first = tiles * t / threads * kTilePanels;
     const int64_t end = std::min(panels, tiles * (t + 1) / threads * kTilePanels);
-    for (int64_t m0 = 0; m0 < m; m0 += kRowBlock)
-      column_range(x, ldx, wp, bias, y, n, m0, std::min(m, m0 + kRowBlock), k, n, first, end);
+    for (int64_t m0 = 0; m0 < m; m0 += row_block)
+      column_range(x, ldx, wp, bias, y, n, m0, std::min(m, m0 + row_block), k, n, first, end);
   }
 }
 
