@@ -11,7 +11,7 @@ Prints questions/s for both, their ratio, and the latency of N questions relativ
 machine may be busy with other work, so each size runs --repeats times, interleaved, and the
 best run counts (the baseline takes each prompt's best of two forwards).
 Done when at 16 questions ladle answers >= 3x the baseline's questions/s and 16 questions
-cost <= 2x one question's latency.
+cost <= 2x one question's latency; the script exits with status 1 when these targets are missed.
 
 Usage: python benchmarks/decisions.py [--model PATH] [--repeats 5] [--sizes 1,4,16] [--save out.json]
 """
@@ -184,12 +184,15 @@ def main() -> None:
         for k, row in report["sizes"].items():
             row["latency_vs_one"] = row["ladle_latency_s"] / one["ladle_latency_s"]
             print(f"  {k:2d} questions cost {row['latency_vs_one']:.2f}x one question's latency")
+    ok = True
     if 16 in report["sizes"]:
         row = report["sizes"][16]
         ok = row["ratio"] >= 3.0 and row.get("latency_vs_one", 99) <= 2.0
         print(f"targets (16 questions: >= 3x naive q/s, <= 2x one question's latency): {'met' if ok else 'NOT met'}")
     if args.save:
         Path(args.save).write_text(json.dumps(report, indent=2))
+    if not ok:
+        sys.exit(1)  # a check, like a test: a missed target is a failure
 
 if __name__ == "__main__":
     main()

@@ -209,17 +209,16 @@ def test_score_replays_a_decision(server: Server) -> None:
                                    "apply_softmax": True, "temperature": 0.7})
         assert r.status_code == 200, r.text
         [replayed] = r.json()["scores"]
-        assert replayed == pytest.approx(list(answer["probabilities"].values()), abs=1e-6)
+        assert replayed == list(answer["probabilities"].values())  # bit for bit, as the README promises
 
 
-def test_cold_and_warm_prefix_agree_within_1e6(server: Server) -> None:
+def test_cold_and_warm_prefix_are_bit_identical(server: Server) -> None:
     request = {"input": fresh_input() + " The sync job times out. " * 8, "questions": [TEAM, SEVERITY, URGENT]}
     cold, warm = decide(server, **request), decide(server, **request)
     cached = [b["usage"]["prompt_tokens_details"]["cached_tokens"] for b in (cold, warm)]
     assert cached[1] > cached[0]
     for key, answer in cold["answers"].items():
-        expected = list(answer["probabilities"].values())
-        assert list(warm["answers"][key]["probabilities"].values()) == pytest.approx(expected, abs=1e-6)
+        assert warm["answers"][key]["probabilities"] == answer["probabilities"]
 
 
 def test_score_endpoint(server: Server) -> None:
@@ -282,7 +281,11 @@ def test_openai_sdk_decisions_create(client: openai.OpenAI) -> None:
         ])
     assert isinstance(d, openai.types.Decision) and d.model == MODEL
     predicate, choice, score = d.answers
-    assert predicate.type == "predicate" and predicate.name == "angry" and 0.0 <= predicate.probability <= 1.0
+    assert predicate.type == "predicate" and predicate.name == "angry"
+    reference = client.post("/decisions", cast_to=object, body={
+        "input": TICKET, "questions": [{"id": "angry", "type": "yes_no", "question": "The customer is angry."}]})
+    # the same question in the reference dialect: the same prompt, so the same bits
+    assert predicate.probability == reference["answers"]["angry"]["probabilities"]["yes"]
     assert choice.type == "choice" and choice.name is None
     values = [p.value for p in choice.probabilities]
     assert values == ["billing", "technical", True, "true"] and isinstance(values[2], bool)
@@ -302,11 +305,16 @@ def test_openai_message_input_reads_as_the_string(client: openai.OpenAI) -> None
     as_text = client.decisions.create(model=MODEL, input=TICKET, questions=q)
     as_parts = client.decisions.create(model=MODEL, questions=q, input=[
         {"role": "user", "type": "message", "content": [{"type": "input_text", "text": TICKET}]}])
-    assert as_parts.answers[0].probability == pytest.approx(as_text.answers[0].probability, abs=1e-6)
+    assert as_parts.answers[0].probability == as_text.answers[0].probability
     chat = client.decisions.create(model=MODEL, questions=q, input=[
         {"role": "developer", "content": "Support inbox."},
         {"role": "user", "content": [{"type": "input_json", "data": {"ticket": TICKET}}]}])
-    assert 0.0 <= chat.answers[0].probability <= 1.0
+    # a transcript of the messages, JSON parts as compact JSON, asked as the reference dialect's yes_no
+    transcript = f'developer: Support inbox.\n\nuser: {{"ticket":"{TICKET}"}}'
+    reference = client.post("/decisions", cast_to=object, body={
+        "input": transcript, "questions": [{"id": "angry", "type": "yes_no", "question": "The customer is angry."}]})
+    assert chat.answers[0].probability == reference["answers"]["angry"]["probabilities"]["yes"]
+    assert 0.0 < chat.answers[0].probability < 1.0
 
 
 def test_openai_choice_past_26_gets_two_letter_labels(client: openai.OpenAI) -> None:

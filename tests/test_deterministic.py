@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from ladle import LLM, SamplingParams
+from ladle.model.kernels import loader
 
 WORDS = ["alpha", "beta", "ticket", "failing", "integration", "billing", "server", "network"]
 
@@ -30,6 +31,9 @@ def test_scoring_is_bit_identical_cold_cached_and_batched(smollm2_dir: Path, tex
     # A small token budget forces chunked prefill, so chunk boundaries differ run to run.
     engine_args = dict(deterministic=deterministic, kv_cache_memory_gib=0.5, max_num_batched_tokens=200, dtype=dtype)
     llm = LLM(str(smollm2_dir), **engine_args)
+    # the native case really runs the native kernels (a failed build would fall back to torch silently)
+    assert (loader.native_kernels() is not None) == (kernels == "native")
+    assert (llm.engine.runtime_info()["kernels"] == "torch") == (kernels == "torch")
     labels = [llm.tokenizer.encode(x)[0] for x in ("A", "B")]
     score = SamplingParams(label_token_ids=labels)
     chat = SamplingParams(temperature=0.0, max_tokens=6)

@@ -83,6 +83,10 @@ def test_concurrent_identical_prompts_share_blocks(tiny_llama: Path) -> None:
     prompt = ids(random.Random(3), 80)
     outs = llm.generate([prompt] * 4, GREEDY)
     assert len({tuple(o.outputs[0].token_ids) for o in outs}) == 1
+    # all four admitted in the first step, the last three on the first one's blocks: each
+    # computes only its last prompt token (whose logits it needs)
+    assert llm.engine.stats.steps == GREEDY.max_tokens
+    assert llm.engine.kv.stats.hits == 3 * (len(prompt) - 1)
     assert_no_leak(llm)
 
 

@@ -16,6 +16,8 @@ import openai
 import pytest
 from server_utils import MODEL, Server, ServerThread, free_port
 
+import ladle
+from ladle.model import kernels
 from ladle.server.app import create_app
 
 GREEDY = dict(temperature=0.0)
@@ -42,9 +44,14 @@ def test_models_health_version(server: Server, client: openai.OpenAI) -> None:
     assert client.models.retrieve(MODEL).id == MODEL
     assert httpx.get(f"{server.url}/health").status_code == 200
     version = httpx.get(f"{server.url}/version").json()
-    assert version["version"] and version["dtype"] == version["kv_cache_dtype"] == "float32"
-    assert version["dtype_reason"] and version["kernels"] in ("avx512", "avx2", "scalar", "torch")
-    assert version["matmul"].startswith("decode ")
+    assert set(version) == {"version", "dtype", "dtype_reason", "kv_cache_dtype", "kernels", "matmul"}
+    assert version["version"] == ladle.__version__
+    # the suite pins float32 (conftest), so the choice is the one asked for
+    assert version["dtype"] == version["kv_cache_dtype"] == "float32" and version["dtype_reason"] == "requested"
+    native = kernels.native_kernels()
+    assert version["kernels"] == (native.isa if native is not None else "torch")
+    routing = server.engine.engine.runner.model.routing
+    assert version["matmul"] == f"decode {routing.decode}, prefill {routing.prefill}"
 
 
 def test_chat(server: Server, client: openai.OpenAI) -> None:
@@ -77,13 +84,55 @@ def test_streaming_chat_equals_non_streamed(client: openai.OpenAI) -> None:
     assert finishes == [full.choices[0].finish_reason]
     usage_chunk = chunks[-1]
     assert usage_chunk.choices == [] and usage_chunk.usage is not None
-    assert usage_chunk.usage.model_dump() == full.usage.model_dump()
+    streamed_usage, full_usage = usage_chunk.usage.model_dump(), full.usage.model_dump()
+    # the streamed request finds at least what the first one left in the prefix cache
+    assert streamed_usage.pop("prompt_tokens_details")["cached_tokens"] >= \
+        full_usage.pop("prompt_tokens_details")["cached_tokens"]
+    assert streamed_usage == full_usage
     assert all(c.usage is None for c in chunks[:-1])
 
 
 def test_stream_without_include_usage_has_no_usage_chunk(client: openai.OpenAI) -> None:
     chunks = list(_chat(client, max_tokens=4, stream=True))
     assert all(c.choices for c in chunks) and all(c.usage is None for c in chunks)
+
+
+CONTINUOUS = {"include_usage": True, "continuous_usage_stats": True}
+
+
+def _check_running_usage(usages: list, prompt_tokens: int, final_completion_tokens: int) -> None:
+    """Every chunk's usage: this prompt, the completion so far (growing), the total of both."""
+    assert all(u is not None and u.prompt_tokens == prompt_tokens for u in usages), usages
+    assert all(u.total_tokens == u.prompt_tokens + u.completion_tokens for u in usages)
+    counts = [u.completion_tokens for u in usages]
+    assert counts == sorted(set(counts)) and counts[-1] == final_completion_tokens, counts
+
+
+def test_continuous_usage_stats_chat(client: openai.OpenAI) -> None:
+    kw = dict(max_tokens=8, extra_body={"ignore_eos": True})
+    *chunks, final = _chat(client, stream=True, stream_options=CONTINUOUS, **kw)
+    assert final.choices == [] and final.usage.completion_tokens == 8
+    plain = _chat(client, **kw).usage
+    assert (final.usage.prompt_tokens, final.usage.total_tokens) == (plain.prompt_tokens, plain.total_tokens)
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].usage.completion_tokens == 0
+    _check_running_usage([c.usage for c in chunks], final.usage.prompt_tokens, final.usage.completion_tokens)
+    assert len(chunks) >= 5  # one per token or so: the counts really grew along the way
+    # continuous_usage_stats without include_usage: no usage anywhere (as vLLM)
+    plain = list(_chat(client, stream=True, stream_options={"continuous_usage_stats": True}, max_tokens=3))
+    assert plain and all(c.usage is None and c.choices for c in plain)
+
+
+def test_continuous_usage_stats_completions(server: Server, client: openai.OpenAI) -> None:
+    prompts = ["The capital of France is", "One, two, three, four,"]
+    lengths = [httpx.post(f"{server.url}/tokenize", json={"prompt": p}).json()["count"] for p in prompts]
+    *chunks, final = client.completions.create(model=MODEL, prompt=prompts, max_tokens=6, stream=True,
+                                               stream_options=CONTINUOUS, extra_body={"ignore_eos": True}, **GREEDY)
+    assert final.choices == [] and final.usage.prompt_tokens == sum(lengths)
+    assert final.usage.completion_tokens == 12
+    for index, length in enumerate(lengths):  # each choice counts its own prompt and completion
+        mine = [c.usage for c in chunks if c.choices[0].index == index]
+        _check_running_usage(mine, length, 6)
+        assert len(mine) >= 3
 
 
 def test_chat_logprobs(client: openai.OpenAI) -> None:
@@ -144,6 +193,23 @@ def test_completions_with_logprobs_and_echo(client: openai.OpenAI) -> None:
     assert elp.token_logprobs[e.usage.prompt_tokens:] == pytest.approx(lp.token_logprobs, abs=1e-4)
 
 
+def test_streamed_echo_equals_non_streamed(server: Server, client: openai.OpenAI) -> None:
+    prompts = ["The capital of France is", "One, two, three,"]
+    kw = dict(model=MODEL, prompt=prompts, max_tokens=6, echo=True, **GREEDY)
+    full = client.completions.create(**kw)
+    assert [c.text[: len(p)] for c, p in zip(full.choices, prompts)] == prompts
+    texts: dict[int, list[str]] = {0: [], 1: []}
+    for chunk in client.completions.create(stream=True, **kw):
+        texts[chunk.choices[0].index].append(chunk.choices[0].text)
+    assert [texts[0][0][: len(prompts[0])], texts[1][0][: len(prompts[1])]] == prompts  # the prompt comes first
+    assert ["".join(texts[0]), "".join(texts[1])] == [c.text for c in full.choices]
+    assert len(texts[0]) > 1  # and the completion after it, as it is generated
+    # a prompt of token ids echoes as its text
+    ids = httpx.post(f"{server.url}/tokenize", json={"prompt": prompts[1]}).json()["tokens"]
+    by_ids = client.completions.create(**{**kw, "prompt": ids, "stream": True})
+    assert "".join(c.choices[0].text for c in by_ids) == full.choices[1].text
+
+
 def test_completions_token_ids_batch_and_stream(server: Server, client: openai.OpenAI) -> None:
     prompts = ["The capital of France is", "One, two, three,"]
     ids = [httpx.post(f"{server.url}/tokenize", json={"prompt": p}).json()["tokens"] for p in prompts]
@@ -193,6 +259,53 @@ def test_bad_requests_raise_typed_errors(client: openai.OpenAI) -> None:
         assert err.value.status_code == 400
         assert err.value.body["param"] == param, (kw, err.value.body)
         assert param in err.value.body["message"]
+
+
+def test_unsupported_fields_are_refused_naming_them(client: openai.OpenAI) -> None:
+    def complete(**kw):
+        return client.completions.create(model=MODEL, prompt="Hello", max_tokens=2, **GREEDY, **kw)
+
+    cases = [
+        (lambda: complete(logit_bias={"15": 5}), "logit_bias"),
+        (lambda: _chat(client, logit_bias={"15": -100}), "logit_bias"),
+        (lambda: _chat(client, logit_bias={"15": 5}, stream=True), "logit_bias"),  # before the stream starts
+        (lambda: complete(suffix=" world"), "suffix"),
+        (lambda: complete(suffix=" world", stream=True), "suffix"),
+        (lambda: complete(best_of=3), "best_of"),
+        (lambda: complete(best_of=3, n=2), "best_of"),
+        (lambda: complete(best_of=1, n=2), "best_of (1) must be at least n (2)"),  # invalid, not unsupported
+    ]
+    for call, says in cases:
+        with pytest.raises(openai.BadRequestError) as err:
+            call()
+        body = err.value.body
+        param = says.split()[0]
+        assert err.value.status_code == 400 and body["param"] == param and says in body["message"], body
+        assert body["type"] == "invalid_request_error"
+    # what changes nothing is accepted: best_of equal to n (as vLLM), an empty logit_bias or suffix
+    assert len(complete(best_of=1).choices) == 1
+    assert len(complete(best_of=2, n=2, seed=1).choices) == 2
+    assert complete(logit_bias={}, suffix="").choices[0].text == complete().choices[0].text
+
+
+def test_continue_final_message(server: Server, client: openai.OpenAI) -> None:
+    messages = [{"role": "user", "content": "Name three colors."}, {"role": "assistant", "content": "Red, green and"}]
+    flags = {"continue_final_message": True, "add_generation_prompt": False}
+    r = _chat(client, messages, max_tokens=6, extra_body=flags)
+    # the prompt ends inside the assistant's message: no end-of-turn after it
+    ids = httpx.post(f"{server.url}/tokenize", json={"messages": messages, **flags}).json()["tokens"]
+    rendered = httpx.post(f"{server.url}/detokenize", json={"tokens": ids}).json()["prompt"]
+    assert rendered.endswith("assistant\nRed, green and"), rendered
+    assert r.usage.prompt_tokens == len(ids)
+    # and the reply is what that prompt continues with
+    plain = client.completions.create(model=MODEL, prompt=ids, max_tokens=6, **GREEDY)
+    assert r.choices[0].message.content == plain.choices[0].text and plain.choices[0].text
+    bad = [(messages, {"continue_final_message": True}),  # with add_generation_prompt (the default)
+           (HELLO, flags)]  # the last message is not the assistant's
+    for msgs, extra in bad:
+        with pytest.raises(openai.BadRequestError) as err:
+            _chat(client, msgs, max_tokens=1, extra_body=extra)
+        assert err.value.body["param"] == "continue_final_message"
 
 
 def test_prompt_over_the_context_says_by_how_much(server: Server, client: openai.OpenAI) -> None:
@@ -350,8 +463,11 @@ def test_ladle_serve_subprocess() -> None:
             time.sleep(0.25)
         c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
         assert c.models.list().data[0].id == "tiny"
-        r = c.chat.completions.create(model="tiny", messages=HELLO, max_tokens=3, temperature=0)
-        assert r.usage.completion_tokens <= 3
+        assert httpx.get(f"http://127.0.0.1:{port}/version").json()["version"] == ladle.__version__
+        r = c.chat.completions.create(model="tiny", messages=HELLO, max_tokens=5, temperature=0,
+                                      extra_body={"ignore_eos": True})
+        assert r.model == "tiny" and r.choices[0].finish_reason == "length"
+        assert r.usage.completion_tokens == 5 and r.choices[0].message.content.strip()
     finally:
         proc.send_signal(signal.SIGINT)
         try:

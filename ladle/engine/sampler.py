@@ -1,4 +1,4 @@
-"""Turns next-token logits into tokens: penalties, temperature, top-k/top-p/min-p, seeds.
+"""Turns next-token logits into tokens: penalties, temperature, min-p, top-k/top-p, seeds.
 
 A seeded request draws from its own generator, so its tokens do not depend on what
 else shares the batch. Logprobs are those of the raw model distribution, as in vLLM.
@@ -47,15 +47,18 @@ class Sampler:
             self._penalise(x, seq)
         if p.greedy:
             return int(x.argmax())
+        # vLLM V1's order: temperature, min_p over the whole vocabulary, top_k, then top_p over
+        # what is left (so with min_p, top_p's mass is counted among the tokens min_p kept)
         x = x / p.temperature
+        if p.min_p > 0.0:
+            probs = torch.softmax(x, dim=-1)
+            x = x.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
         if p.top_k > 0 and p.top_k < x.shape[-1]:
             kth = x.topk(p.top_k).values[-1]
             x = x.masked_fill(x < kth, float("-inf"))
         if p.top_p < 1.0:
             x = _top_p(x, p.top_p)
         probs = torch.softmax(x, dim=-1)
-        if p.min_p > 0.0:
-            probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
         gen = seq.generator or self.shared_generator
         # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p, one generator call per row.
         race = torch.empty_like(probs).exponential_(1.0, generator=gen)

@@ -110,22 +110,25 @@ async def chat_completions(request: Request) -> Response:
 async def _chat_events(ctx: ServerContext, req: ChatCompletionRequest, stream: RequestStream) -> AsyncIterator[str]:
     created = int(time.time())
     exclude = None if req.include_usage else {"usage"}
+    num_prompt_tokens = len(stream.prompt_token_ids)
+    generated: dict[int, int] = {}  # completion tokens so far, per choice
 
     def event(choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
+        if usage is None and req.continuous_usage:  # vLLM: the usage of the chunk's choice so far
+            usage = _running_usage(num_prompt_tokens, generated.get(choices[0].index, 0))
         chunk = ChatCompletionChunk(id=stream.request_id, created=created, model=ctx.model_name,
                                     choices=choices, usage=usage)
         return sse_event(chunk, exclude)
 
-    started: set[int] = set()
-    completion_tokens = cached = 0
+    cached = 0
     try:
         async for out in stream:
             cached = out.num_cached_tokens
             for d in out.deltas:
-                completion_tokens += len(d.token_ids)
-                if d.index not in started:  # the first chunk of each choice carries the role
-                    started.add(d.index)
+                if d.index not in generated:  # the first chunk of each choice carries the role
+                    generated[d.index] = 0
                     yield event([ChatChunkChoice(index=d.index, delta=DeltaMessage(role="assistant", content=""))])
+                generated[d.index] += len(d.token_ids)
                 logprobs = chat_logprobs(ctx.names, d.logprobs) if req.logprobs and d.logprobs else None
                 if not (d.text or d.finish_reason or logprobs):
                     continue  # text held back (stop strings, split characters): nothing to say yet
@@ -133,7 +136,7 @@ async def _chat_events(ctx: ServerContext, req: ChatCompletionRequest, stream: R
                 yield event([ChatChunkChoice(index=d.index, delta=delta, logprobs=logprobs,
                                              finish_reason=d.finish_reason, stop_reason=d.stop_reason)])
         if req.include_usage:
-            yield event([], Usage.of(len(stream.prompt_token_ids), completion_tokens, cached))
+            yield event([], Usage.of(num_prompt_tokens, sum(generated.values()), cached))
     except Exception as e:
         yield sse_error(e)
     finally:
@@ -201,6 +204,12 @@ async def _collect_all(streams: list[RequestStream], n: int) -> list:
         abort_all(streams)
 
 
+def _running_usage(prompt_tokens: int, completion_tokens: int) -> Usage:
+    """The usage a chunk carries under stream_options.continuous_usage_stats (as vLLM: no details)."""
+    return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                 total_tokens=prompt_tokens + completion_tokens)
+
+
 def _prompt_logprobs(lps: list | None, num_prompt_tokens: int) -> list:
     lps = list(lps or [])
     return lps + [None] * (num_prompt_tokens - len(lps))
@@ -212,7 +221,7 @@ async def _completion_events(ctx: ServerContext, req: CompletionRequest, request
     exclude = None if req.include_usage else {"usage"}
     builders: dict[int, CompletionLogprobsBuilder] = {}
     prompt_lps: dict[int, list] = {}
-    completion_tokens = 0
+    generated: dict[int, int] = {}  # completion tokens so far, per choice
     cached: dict[int, int] = {}
     try:
         async for i, out in merge(streams):
@@ -220,8 +229,8 @@ async def _completion_events(ctx: ServerContext, req: CompletionRequest, request
             if out.prompt_logprobs is not None:
                 prompt_lps.setdefault(i, out.prompt_logprobs)
             for d in out.deltas:
-                completion_tokens += len(d.token_ids)
                 index = i * req.n + d.index
+                generated[index] = generated.get(index, 0) + len(d.token_ids)
                 text, token_ids, lps = d.text, d.token_ids, d.logprobs
                 if index not in builders:  # this choice's first chunk: echo the prompt before it
                     builders[index] = CompletionLogprobsBuilder(ctx.names)
@@ -235,10 +244,14 @@ async def _completion_events(ctx: ServerContext, req: CompletionRequest, request
                 logprobs = builders[index].build(token_ids, lps) if req.logprobs is not None else None
                 choice = CompletionChoice(index=index, text=text, logprobs=logprobs,
                                           finish_reason=d.finish_reason, stop_reason=d.stop_reason)
+                # vLLM: the usage of this choice's prompt and of its completion so far
+                usage = (_running_usage(len(streams[i].prompt_token_ids), generated[index])
+                         if req.continuous_usage else None)
                 yield sse_event(CompletionResponse(id=request_id, created=created, model=ctx.model_name,
-                                                   choices=[choice]), exclude)
+                                                   choices=[choice], usage=usage), exclude)
         if req.include_usage:
-            usage = Usage.of(sum(len(s.prompt_token_ids) for s in streams), completion_tokens, sum(cached.values()))
+            usage = Usage.of(sum(len(s.prompt_token_ids) for s in streams), sum(generated.values()),
+                             sum(cached.values()))
             yield sse_event(CompletionResponse(id=request_id, created=created, model=ctx.model_name, choices=[],
                                                usage=usage))
     except Exception as e:

@@ -64,6 +64,12 @@ class _Sampling(_Request):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM's stream_options.continuous_usage_stats: with include_usage, every chunk carries
+        the usage so far (its choice's completion tokens), not only the final usage chunk."""
+        return self.include_usage and self.stream_options.continuous_usage_stats
+
     def check_supported(self) -> None:
         if self.logit_bias:
             raise InvalidRequestError("logit_bias is not supported", param="logit_bias")
@@ -165,8 +171,11 @@ class CompletionRequest(_Sampling):
         super().check_supported()
         if self.suffix:
             raise InvalidRequestError("suffix is not supported", param="suffix")
+        # best_of == n (1 by default) returns every candidate: the same as leaving it out
+        if self.best_of is not None and self.best_of < self.n:
+            raise InvalidRequestError(f"best_of ({self.best_of}) must be at least n ({self.n})", param="best_of")
         if self.best_of is not None and self.best_of != self.n:
-            raise InvalidRequestError("best_of other than n is not supported", param="best_of")
+            raise InvalidRequestError("best_of greater than n is not supported", param="best_of")
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt

@@ -1,0 +1,96 @@
+"""Start-up costs of the default model, each in a fresh process, as a new user meets them.
+
+  kernels   building the native kernels on first use (C++ through torch's cpp_extension), an
+            empty cache
+  convert   the first start's one-off conversion of the embedded Q4_1 GGUF to a float32
+            safetensors folder
+  load      a later start: LLM() with everything cached (model load, kernel load, the start-up
+            matmul measurement)
+  serve     a later `ladle serve`: from the command to /health answering 200
+
+Every step runs in a temporary LADLE_CACHE_DIR (never the user's cache), --repeats times; the
+best run counts for `load` and `serve`, the first for the one-off steps.
+
+Usage: python benchmarks/startup.py [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import cpu_name  # noqa: E402
+
+PYTHON = sys.executable
+STEPS = {
+    "kernels": "from ladle.model.kernels import loader; assert loader.native_kernels() is not None",
+    "convert": "from ladle.model.loader import resolve_model_path; resolve_model_path(None)",
+    "load": "from ladle import LLM; LLM(None)",
+}
+
+
+def run_step(code: str, env: dict[str, str]) -> float:
+    start = time.perf_counter()
+    subprocess.run([PYTHON, "-c", code], env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return time.perf_counter() - start
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve_until_healthy(env: dict[str, str], timeout: float = 300.0) -> float:
+    port = free_port()
+    ladle = Path(PYTHON).parent / "ladle"
+    start = time.perf_counter()
+    proc = subprocess.Popen([str(ladle), "serve", "--port", str(port)], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        while time.perf_counter() - start < timeout:
+            if proc.poll() is not None:
+                raise RuntimeError(f"ladle serve exited with {proc.returncode}")
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    return time.perf_counter() - start
+            except httpx.TransportError:
+                pass
+            time.sleep(0.05)
+        raise RuntimeError(f"ladle serve not healthy after {timeout} s")
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    print(f"CPU: {cpu_name()}, {os.cpu_count()} cores")
+    with tempfile.TemporaryDirectory(prefix="ladle-startup-") as cache:
+        env = {**os.environ, "LADLE_CACHE_DIR": cache}
+        first = {step: run_step(STEPS[step], env) for step in ("kernels", "convert")}
+        print(f"first start: kernel build {first['kernels']:.1f} s, GGUF conversion {first['convert']:.1f} s")
+        loads, serves = [], []
+        for i in range(args.repeats):
+            loads.append(run_step(STEPS["load"], env))
+            serves.append(serve_until_healthy(env))
+            print(f"  run {i + 1}/{args.repeats}: LLM() {loads[-1]:.1f} s, ladle serve to /health {serves[-1]:.1f} s",
+                  flush=True)
+        print(f"later starts (best of {args.repeats}): LLM() {min(loads):.1f} s, "
+              f"ladle serve to /health {min(serves):.1f} s")
+
+
+if __name__ == "__main__":
+    main()
