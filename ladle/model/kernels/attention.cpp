@@ -289,6 +289,18 @@ struct PromptScratch {
   std::vector<float> scores, acc, inv_sum;
 };
 
+// The d values of one KV head at each of a block's n slots (slot stride `stride`) into L2:
+// the blocks of a sequence lie anywhere in the pool, so the hardware prefetcher cannot see
+// the next one coming. A prefetch never faults and changes no arithmetic.
+template <typename KV>
+inline void prefetch_block(const KV* first, int64_t stride, int64_t n, int64_t d) {
+  constexpr int64_t kLine = 64;
+  const int64_t bytes = d * int64_t(sizeof(KV));
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t b = 0; b < bytes; b += kLine)
+      __builtin_prefetch(reinterpret_cast<const char*>(first + j * stride) + b, 0, 2);
+}
+
 // One task: `rows` consecutive query rows of one sequence, all `group` query heads of one KV
 // head. Scores for every row first (block by block, so a block's keys stay in L1 for all
 // rows), then each row's softmax, then the values block by block.
@@ -307,9 +319,11 @@ void attend_prompt_rows(const PromptTask& t, const float* q, int64_t q_stride, c
   auto query = [&](int64_t v) { return q + (t.first_row + v / group) * q_stride + (t.kv_head * group + v % group) * d; };
   auto keys_of = [&](int64_t v) { return first_pos + v / group + 1; };  // causal: keys [0, pos]
 
+  auto block_of = [&](const KV* cache, int64_t b) { return cache + (table[b] * block_size * kv_heads + t.kv_head) * d; };
   for (int64_t b = 0; b < blocks; ++b) {
     const int64_t start = b * block_size;
-    const KV* k = k_cache + (table[b] * block_size * kv_heads + t.kv_head) * d;
+    const KV* k = block_of(k_cache, b);
+    if (b + 1 < blocks) prefetch_block(block_of(k_cache, b + 1), key_stride, block_size, d);
     const int64_t first_vector = std::max<int64_t>(0, start - first_pos) * group;  // rows that see this block
     auto scores = [&](int64_t v) { return scratch.scores.data() + v * width + start; };
     int64_t v = first_vector;
@@ -327,7 +341,8 @@ void attend_prompt_rows(const PromptTask& t, const float* q, int64_t q_stride, c
     scratch.inv_sum[v] = 1.0f / softmax_numerators(scratch.scores.data() + v * width, keys_of(v));
   for (int64_t b = 0; b < blocks; ++b) {
     const int64_t start = b * block_size;
-    const KV* values = v_cache + (table[b] * block_size * kv_heads + t.kv_head) * d;
+    const KV* values = block_of(v_cache, b);
+    if (b + 1 < blocks) prefetch_block(block_of(v_cache, b + 1), key_stride, block_size, d);
     const int64_t first_vector = std::max<int64_t>(0, start - first_pos) * group;
     for (int64_t v = first_vector; v < vectors; ++v) {
       const int64_t n = std::min(block_size, keys_of(v) - start);
