@@ -13,6 +13,7 @@ import sys
 SUBCOMMANDS = {
     "serve": ("ladle.server.cli", "serve a model over the OpenAI API"),
     "bench": ("ladle.bench.cli", "load-test any OpenAI-compatible server"),
+    "calibrate": ("ladle.calibrate.cli", "fit a calibration of decision probabilities on labelled data"),
 }
 
 
