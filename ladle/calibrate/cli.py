@@ -56,9 +56,8 @@ async def _fit(args: argparse.Namespace) -> int:
     if args.method == "platt" and len(data.options) != 2:
         raise SystemExit("--method platt needs a two-option question (yes_no); use vector for more options")
     print(f"{len(fit_set.inputs)} examples to fit, {len(held.inputs)} held out; options {data.options}")
-    scored_fit = await score_all(args.base_url, args.model, question, fit_set.inputs, args.concurrency, "fit set")
     scored_held = await score_all(args.base_url, args.model, question, held.inputs, args.concurrency, "held out")
-    calibrator = await _calibrator(args, question, fit_set, scored_fit.probs)
+    calibrator = await _calibrator(args, question, fit_set)
     after = calibrator.apply(scored_held.probs)
     report = {
         "method": args.method, "model": scored_held.model, "question_id": question["id"], "options": data.options,
@@ -80,8 +79,8 @@ async def _fit(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _calibrator(args: argparse.Namespace, question: dict[str, Any], fit_set: Labelled,
-                      probs: np.ndarray) -> methods.Calibrator:
+async def _calibrator(args: argparse.Namespace, question: dict[str, Any], fit_set: Labelled) -> methods.Calibrator:
+    """The fit; contextual and PriDe score their own inputs, so only the other methods score the fit set."""
     if args.method == "contextual":
         free = await score_all(args.base_url, args.model, question, [args.content_free], 1, "content-free")
         return methods.fit("contextual", free.probs)
@@ -90,7 +89,8 @@ async def _calibrator(args: argparse.Namespace, question: dict[str, Any], fit_se
         sample = fit_set.inputs[: args.prior_sample]
         return methods.fit("pride", await score_permuted(args.base_url, args.model, question, sample, perms,
                                                          args.concurrency), perms)
-    return methods.fit(args.method, probs, fit_set.labels)
+    scored = await score_all(args.base_url, args.model, question, fit_set.inputs, args.concurrency, "fit set")
+    return methods.fit(args.method, scored.probs, fit_set.labels)
 
 
 def _print(report: dict[str, Any], out: Path) -> None:

@@ -97,12 +97,10 @@ async def score_permuted(base_url: str, model: str | None, question: dict[str, A
     """For PriDe: each input under each option order; per input an array [n_perm, k] of the
     probabilities of the k positions."""
     key = "options" if question["type"] == "choice" else "levels"
-    names = option_names(question)
     per_perm = []
     for r, perm in enumerate(permutations):
         shown = {**question, key: [question[key][i] for i in perm]}
+        # score_all answers in the shown order, which is the order of positions
         scored = await score_all(base_url, model, shown, inputs, concurrency, desc=f"order {r + 1}/{len(permutations)}")
-        # score_all returns the shown order, which is already by position
-        assert option_names(shown) == [names[i] for i in perm]
         per_perm.append(scored.probs)
     return [np.stack([p[i] for p in per_perm]) for i in range(len(inputs))]

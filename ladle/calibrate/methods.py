@@ -42,6 +42,12 @@ def _normalise(weights: np.ndarray, fallback: np.ndarray) -> np.ndarray:
     return np.where(ok, weights / np.where(ok, sums, 1.0), fallback)
 
 
+def _divide_out(probs: np.ndarray, prior: Sequence[float]) -> np.ndarray:
+    """Rows divided by a prior over the options, renormalised (contextual calibration, PriDe)."""
+    probs = np.asarray(probs, dtype=np.float64)
+    return _normalise(probs / np.asarray(prior), fallback=probs)
+
+
 def _nll_of_logits(logits: np.ndarray, labels: np.ndarray) -> float:
     return float(-np.mean(log_softmax(logits, axis=1)[np.arange(len(labels)), labels]))
 
@@ -200,8 +206,7 @@ class ContextualCalibration:
     content_free: list[float]
 
     def apply(self, probs: np.ndarray) -> np.ndarray:
-        probs = np.asarray(probs, dtype=np.float64)
-        return _normalise(probs / np.asarray(self.content_free), fallback=probs)
+        return _divide_out(probs, self.content_free)
 
     def to_json(self) -> dict[str, Any]:
         return {"method": "contextual", "content_free": list(self.content_free)}
@@ -231,8 +236,7 @@ class PriDe:
     prior: list[float]
 
     def apply(self, probs: np.ndarray) -> np.ndarray:
-        probs = np.asarray(probs, dtype=np.float64)
-        return _normalise(probs / np.asarray(self.prior), fallback=probs)
+        return _divide_out(probs, self.prior)
 
     def to_json(self) -> dict[str, Any]:
         return {"method": "pride", "prior": list(self.prior)}
