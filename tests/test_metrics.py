@@ -154,6 +154,13 @@ def test_metrics_parse_with_vllm_names_and_count_a_request(server: Server) -> No
     assert after["vllm:kv_cache_usage_perc"] == 0.0
 
 
+def assert_gauges_back_at_zero(server: Server) -> None:
+    server.wait_idle()
+    after = server.scrape()
+    assert after["vllm:num_requests_running"] == after["vllm:num_requests_waiting"] == 0
+    assert after["vllm:kv_cache_usage_perc"] == 0.0
+
+
 def test_running_and_kv_gauges_during_a_stream_and_zero_after(server: Server) -> None:
     prompt, max_tokens = random_ids(random.Random(11), 100), 2000  # uncached: 7 blocks of its own
     server.wait_idle()
@@ -168,10 +175,7 @@ def test_running_and_kv_gauges_during_a_stream_and_zero_after(server: Server) ->
     blocks = during["vllm:kv_cache_usage_perc"] * NUM_KV_BLOCKS
     assert blocks == pytest.approx(round(blocks))  # a fraction of the pool's blocks
     assert blocks_for(len(prompt)) <= round(blocks) <= blocks_for(len(prompt) + max_tokens)
-    server.wait_idle()
-    after = server.scrape()
-    assert after["vllm:num_requests_running"] == after["vllm:num_requests_waiting"] == 0
-    assert after["vllm:kv_cache_usage_perc"] == 0.0
+    assert_gauges_back_at_zero(server)
 
 
 def test_waiting_gauge_counts_requests_past_max_num_seqs(one_seq: Server) -> None:
@@ -189,10 +193,7 @@ def test_waiting_gauge_counts_requests_past_max_num_seqs(one_seq: Server) -> Non
     assert during["vllm:kv_cache_usage_perc"] > 0
     assert all(m["vllm:num_requests_running"] <= 1 for m in seen)  # max_num_seqs=1
     assert [u["completion_tokens"] for u in usages] == [16] * 3
-    one_seq.wait_idle()
-    after = one_seq.scrape()
-    assert after["vllm:num_requests_running"] == after["vllm:num_requests_waiting"] == 0
-    assert after["vllm:kv_cache_usage_perc"] == 0.0
+    assert_gauges_back_at_zero(one_seq)
 
 
 def test_token_and_inference_time_histograms_count_a_request(server: Server) -> None:
