@@ -5,9 +5,16 @@ from __future__ import annotations
 import os
 import platform
 import random
+import shlex
+import signal
+import socket
+import subprocess
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
+import httpx
 import torch
 
 
@@ -68,3 +75,47 @@ def _time(fn) -> float:
     t = time.perf_counter()
     fn()
     return time.perf_counter() - t
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def running_server(cmd: list[str], env: dict, port: int, log: Path, timeout_s: float,
+                   poll_s: float = 1.0) -> Iterator[str]:
+    """Start `cmd` in its own process group, yield its base URL once /health answers 200, then stop it."""
+    print(f"  $ {shlex.join(cmd)}  (log: {log})", flush=True)
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if proc.poll() is not None:
+                tail = log.read_text(errors="replace")[-3000:]
+                raise RuntimeError(f"server exited with {proc.returncode} before /health:\n{tail}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no /health within {timeout_s:.0f} s")
+            try:
+                if httpx.get(base + "/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(poll_s)
+        yield base
+    finally:
+        stop(proc)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is not None:
+        return
+    os.killpg(proc.pid, signal.SIGTERM)  # the group this script created: the server and its workers
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)

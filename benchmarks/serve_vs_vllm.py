@@ -37,20 +37,18 @@ import os
 import platform
 import random
 import shlex
-import signal
-import socket
 import statistics
 import subprocess
 import sys
 import time
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Iterator
 
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).parent))
+from common import free_port, running_server  # noqa: E402
 from ladle.bench.client import RequestResult, Target, first_model, make_http_client, send  # noqa: E402
 from ladle.bench.datasets import SampleRequest  # noqa: E402
 
@@ -134,12 +132,6 @@ def cpu_model_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @functools.cache
 def ladle_has_dtype_flag(ladle: str) -> bool:
     out = subprocess.run([ladle, "serve", "--help"], capture_output=True, text=True, timeout=120)
@@ -158,43 +150,6 @@ def server_command(server: Server, model: Path, port: int, args: argparse.Namesp
     cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host",
            "127.0.0.1", "--port", str(port), "--dtype", server.dtype]
     return cmd + shlex.split(args.vllm_args), {**os.environ, **VLLM_ENV}
-
-
-@contextmanager
-def running_server(cmd: list[str], env: dict, port: int, log: Path, timeout_s: float) -> Iterator[str]:
-    """Start `cmd` in its own process group, yield its base URL once /health answers 200, then stop it."""
-    print(f"  $ {shlex.join(cmd)}  (log: {log})", flush=True)
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if proc.poll() is not None:
-                tail = log.read_text(errors="replace")[-3000:]
-                raise RuntimeError(f"server exited with {proc.returncode} before /health:\n{tail}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"no /health within {timeout_s:.0f} s")
-            try:
-                if httpx.get(base + "/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
-        yield base
-    finally:
-        stop(proc)
-
-
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is not None:
-        return
-    os.killpg(proc.pid, signal.SIGTERM)  # the group this script created: the server and its workers
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
 
 
 def prompts(seed: int, n: int, length: int) -> list[list[int]]:

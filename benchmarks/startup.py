@@ -24,10 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
-
 sys.path.insert(0, str(Path(__file__).parent))
-from common import cpu_name  # noqa: E402
+from common import cpu_name, free_port, running_server  # noqa: E402
 
 PYTHON = sys.executable
 STEPS = {
@@ -43,34 +41,12 @@ def run_step(code: str, env: dict[str, str]) -> float:
     return time.perf_counter() - start
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def serve_until_healthy(env: dict[str, str], timeout: float = 300.0) -> float:
+def serve_until_healthy(env: dict[str, str], log: Path, timeout: float = 300.0) -> float:
     port = free_port()
-    ladle = Path(PYTHON).parent / "ladle"
+    cmd = [str(Path(PYTHON).parent / "ladle"), "serve", "--port", str(port)]
     start = time.perf_counter()
-    proc = subprocess.Popen([str(ladle), "serve", "--port", str(port)], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        while time.perf_counter() - start < timeout:
-            if proc.poll() is not None:
-                raise RuntimeError(f"ladle serve exited with {proc.returncode}")
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    return time.perf_counter() - start
-            except httpx.TransportError:
-                pass
-            time.sleep(0.05)
-        raise RuntimeError(f"ladle serve not healthy after {timeout} s")
-    finally:
-        proc.terminate()
-        proc.wait(30)
+    with running_server(cmd, env, port, log, timeout, poll_s=0.05):
+        return time.perf_counter() - start
 
 
 def main() -> None:
@@ -85,7 +61,7 @@ def main() -> None:
         loads, serves = [], []
         for i in range(args.repeats):
             loads.append(run_step(STEPS["load"], env))
-            serves.append(serve_until_healthy(env))
+            serves.append(serve_until_healthy(env, Path(cache) / f"serve-{i + 1}.log"))
             print(f"  run {i + 1}/{args.repeats}: LLM() {loads[-1]:.1f} s, ladle serve to /health {serves[-1]:.1f} s",
                   flush=True)
         print(f"later starts (best of {args.repeats}): LLM() {min(loads):.1f} s, "
