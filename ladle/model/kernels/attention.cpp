@@ -294,10 +294,9 @@ struct PromptScratch {
 // the next one coming. A prefetch never faults and changes no arithmetic.
 template <typename KV>
 inline void prefetch_block(const KV* first, int64_t stride, int64_t n, int64_t d) {
-  constexpr int64_t kLine = 64;
   const int64_t bytes = d * int64_t(sizeof(KV));
   for (int64_t j = 0; j < n; ++j)
-    for (int64_t b = 0; b < bytes; b += kLine)
+    for (int64_t b = 0; b < bytes; b += kCacheLine)
       __builtin_prefetch(reinterpret_cast<const char*>(first + j * stride) + b, 0, 2);
 }
 

@@ -28,7 +28,6 @@ constexpr int64_t kPanel = 16;  // columns per packed panel
 // W is read from memory once per block of rows, so blocks are large: x rows up to this many
 // bytes (they are read from L2/L3 as broadcasts while each W panel group sits in L2).
 constexpr int64_t kRowBlockBytes = 8 << 20;
-constexpr int64_t kLine = 64;  // bytes per cache line
 
 // W streams from memory (a model's weights do not stay in cache from one call to the next),
 // so while the row tiles of one panel group run, they prefetch the next group into L2, each
@@ -38,17 +37,17 @@ struct Prefetch {
   int64_t lines = 0;
 
   inline void step(int64_t i, int64_t k) const {
-    if (i < lines) __builtin_prefetch(base + i * kLine, 0, 2);
-    if (i + k < lines) __builtin_prefetch(base + (i + k) * kLine, 0, 2);
+    if (i < lines) __builtin_prefetch(base + i * kCacheLine, 0, 2);
+    if (i + k < lines) __builtin_prefetch(base + (i + k) * kCacheLine, 0, 2);
   }
 };
 
 // Tile `index` of `tiles`'s share of the `bytes` at `next` (nullptr: nothing to fetch).
 inline Prefetch prefetch_share(const void* next, int64_t bytes, int64_t index, int64_t tiles) {
   if (next == nullptr) return {};
-  const int64_t lines = bytes / kLine, share = (lines + tiles - 1) / tiles;
+  const int64_t lines = bytes / kCacheLine, share = (lines + tiles - 1) / tiles;
   const int64_t first = std::min(lines, index * share);
-  return {static_cast<const char*>(next) + first * kLine, std::min(share, lines - first)};
+  return {static_cast<const char*>(next) + first * kCacheLine, std::min(share, lines - first)};
 }
 
 // The reference order, one element at a time: every vector path must agree with it bit for bit.

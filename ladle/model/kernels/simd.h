@@ -6,6 +6,8 @@
 #include <cstdint>
 #include <cstring>
 
+constexpr int64_t kCacheLine = 64;  // bytes: the unit of the kernels' software prefetches
+
 // K/V caches hold float32 or bfloat16 (its bits as uint16_t); kernels widen bf16 on load, exactly.
 inline float to_float(float x) { return x; }
 inline float to_float(uint16_t h) {
