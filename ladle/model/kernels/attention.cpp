@@ -389,7 +389,7 @@ extern "C" int ladle_prompt_attention(const float* q, int64_t q_stride, const vo
 #pragma omp parallel num_threads(threads) if (threads > 1)
   {
     PromptScratch scratch;
-#pragma omp for schedule(dynamic)
+#pragma omp for schedule(dynamic, kv_heads)
     for (size_t i = 0; i < tasks.size(); ++i) {
       const PromptTask& t = tasks[i];
       const int64_t first_pos = first_positions[t.seq] + (t.first_row - row_starts[t.seq]);
