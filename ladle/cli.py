@@ -14,6 +14,7 @@ SUBCOMMANDS = {
     "serve": ("ladle.server.cli", "serve a model over the OpenAI API"),
     "bench": ("ladle.bench.cli", "load-test any OpenAI-compatible server"),
     "calibrate": ("ladle.calibrate.cli", "fit a calibration of decision probabilities on labelled data"),
+    "heads": ("ladle.heads.cli", "fit a learned decision head on the model's hidden states"),
 }
 
 

@@ -24,6 +24,7 @@ class Completion:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     label_logprobs: list[float] | None = None  # scoring requests (SamplingParams.label_token_ids)
+    hidden_states: dict[int, list[float]] | None = None  # SamplingParams.hidden_state_layers: layer -> state
 
 
 @dataclass
@@ -32,8 +33,10 @@ class GenerationResult:
     prompt_token_ids: list[int]
     outputs: list[Completion]
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache (vLLM's RequestOutput field)
 
     def absorb(self, out: StepOutput) -> None:
+        self.num_cached_tokens = out.num_cached_tokens
         if out.prompt_logprobs is not None:
             self.prompt_logprobs = out.prompt_logprobs
         for d in out.deltas:
@@ -44,6 +47,8 @@ class GenerationResult:
             c.finish_reason, c.stop_reason = d.finish_reason, d.stop_reason
             if d.label_logprobs is not None:
                 c.label_logprobs = d.label_logprobs
+            if d.hidden_states is not None:
+                c.hidden_states = d.hidden_states
 
 
 class LLM:

@@ -9,8 +9,9 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, StrictBool, StrictStr
+from pydantic import BaseModel, Field, StrictBool, StrictStr, model_serializer
 
+from ladle.decisions.extensions import Extensions
 from ladle.decisions.pipeline import Decided, Decisions, decide
 from ladle.decisions.protocol import Strict, parse
 from ladle.decisions.question import (
@@ -74,6 +75,8 @@ class Level(Strict):
 class _Question(Strict):
     instructions: str | list[Part]
     name: str | None = None
+    x_calibration: str | None = None  # ladle's extensions (decisions.md)
+    x_head: str | None = None
 
 
 class PredicateQuestion(_Question):
@@ -113,13 +116,28 @@ class LevelProbability(BaseModel):
     probability: float
 
 
-class PredicateAnswer(BaseModel):
+class _Answer(BaseModel):
+    """ladle's extension fields, present only where a calibration or head answered."""
+
+    x_raw_probabilities: list[float] | None = None  # the label softmax, in the question's order
+    x_answered_by: Literal["labels", "head"] | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_extension_fields(self, handler: Any) -> dict[str, Any]:
+        data = handler(self)
+        if self.x_answered_by is None:
+            data.pop("x_raw_probabilities", None)
+            data.pop("x_answered_by", None)
+        return data
+
+
+class PredicateAnswer(_Answer):
     type: Literal["predicate"] = "predicate"
     name: str | None
     probability: float
 
 
-class ChoiceAnswer(BaseModel):
+class ChoiceAnswer(_Answer):
     type: Literal["choice"] = "choice"
     name: str | None
     choice: StrictStr | StrictBool
@@ -127,7 +145,7 @@ class ChoiceAnswer(BaseModel):
     probabilities: list[ChoiceProbability]
 
 
-class ScoreAnswer(BaseModel):
+class ScoreAnswer(_Answer):
     type: Literal["score"] = "score"
     name: str | None
     score: float
@@ -205,7 +223,7 @@ def to_questions(req: OpenAIDecisionRequest) -> list[Question]:
 def _question(rq: PredicateQuestion | ChoiceQuestion | ScoreQuestion, where: str) -> Question:
     text = _parts_text(rq.instructions, f"{where}.instructions")
     kind = {"predicate": "yes_no", "choice": "choice", "score": "score"}[rq.type]
-    q = Question(rq.name if rq.name is not None else where, where, kind, text, [])
+    q = Question(rq.name if rq.name is not None else where, where, kind, text, [], rq.x_calibration, rq.x_head, "x_")
     if is_blank(text):
         raise q.refuse("instructions must not be blank", "instructions")
     if isinstance(rq, PredicateQuestion):
@@ -230,9 +248,10 @@ def _question(rq: PredicateQuestion | ChoiceQuestion | ScoreQuestion, where: str
     return q
 
 
-async def handle(engine: AsyncEngine, model_name: str, req: OpenAIDecisionRequest) -> OpenAIDecision:
+async def handle(engine: AsyncEngine, model_name: str, req: OpenAIDecisionRequest,
+                 extensions: Extensions | None = None) -> OpenAIDecision:
     text = input_text(req.input)
-    result = await decide(engine, text, to_questions(req))
+    result = await decide(engine, text, to_questions(req), extensions=extensions)
     return response(model_name, req, result)
 
 
@@ -244,7 +263,13 @@ def response(model_name: str, req: OpenAIDecisionRequest, result: Decisions) -> 
     return OpenAIDecision(model=model_name, answers=answers, usage=usage)
 
 
-def _answer(rq: PredicateQuestion | ChoiceQuestion | ScoreQuestion, d: Decided):
+def _answer(rq: PredicateQuestion | ChoiceQuestion | ScoreQuestion, d: Decided) -> _Answer:
+    answer = _typed_answer(rq, d)
+    answer.x_raw_probabilities, answer.x_answered_by = d.raw_probabilities, d.answered_by
+    return answer
+
+
+def _typed_answer(rq: PredicateQuestion | ChoiceQuestion | ScoreQuestion, d: Decided) -> _Answer:
     s, best = d.scores, d.scores.best
     # confidence: the winner's probability over the whole vocabulary (uncalibrated, as the reference servers)
     if isinstance(rq, PredicateQuestion):

@@ -8,10 +8,13 @@ from typing import Any
 
 from ladle.decisions import scoring
 from ladle.decisions.answers import LabelScores
+from ladle.decisions.extensions import Calibration, Extensions
 from ladle.decisions.labels import TWO_LETTERS, LabelChecker, base_labels
 from ladle.decisions.question import Question
 from ladle.decisions.render import question_message, render_prompt, template_kwargs
 from ladle.engine.async_engine import AsyncEngine
+from ladle.errors import InvalidRequestError
+from ladle.heads.head import DecisionHead
 from ladle.model.tokenizer import Tokenizer
 
 
@@ -26,7 +29,9 @@ class Prepared:
 @dataclass
 class Decided:
     prepared: Prepared
-    scores: LabelScores
+    scores: LabelScores  # probabilities: what the answer reports (calibrated, or the head's)
+    raw_probabilities: list[float] | None = None  # the label softmax, where a calibration or head replaced it
+    answered_by: str | None = None  # "labels" or "head", where the question named an extension
 
     @property
     def question(self) -> Question:
@@ -62,14 +67,43 @@ def prepare(tokenizer: Tokenizer, max_model_len: int, input_text: str, questions
 
 
 async def decide(engine: AsyncEngine, input_text: str, questions: list[Question], temperature: float = 1.0,
-                 chat_template_kwargs: dict[str, Any] | None = None) -> Decisions:
+                 chat_template_kwargs: dict[str, Any] | None = None,
+                 extensions: Extensions | None = None) -> Decisions:
+    fitted = [_extension(q, extensions, temperature) for q in questions]
     kwargs = template_kwargs(chat_template_kwargs)
     # Rendering and tokenizing hundreds of prompts would stall the event loop: do it off it.
     prepared = await asyncio.to_thread(prepare, engine.tokenizer, engine.max_model_len, input_text, questions,
                                        kwargs)
-    results = await scoring.score(engine, [scoring.ScoreJob(p.prompt_ids, p.label_ids) for p in prepared])
-    answers = [Decided(p, LabelScores.of(r.label_logprobs, temperature)) for p, r in zip(prepared, results)]
+    states = engine.num_hidden_layers + 1  # layers count from the end when negative
+    layers = [f.layer % states if isinstance(f, DecisionHead) else None for f in fitted]
+    jobs = [scoring.ScoreJob(p.prompt_ids, p.label_ids, None if layer is None else [layer])
+            for p, layer in zip(prepared, layers)]
+    results = await scoring.score(engine, jobs)
+    answers = [_decided(p, r, f, layer, temperature) for p, r, f, layer in zip(prepared, results, fitted, layers)]
     return Decisions(answers, *usage(engine, [(r.num_prompt_tokens, r.num_cached_tokens) for r in results]))
+
+
+def _extension(q: Question, extensions: Extensions | None, temperature: float) -> Calibration | DecisionHead | None:
+    if extensions is not None:
+        return extensions.resolve(q, temperature)
+    if q.calibration is not None or q.head is not None:
+        field = q.field_name("calibration" if q.calibration is not None else "head")
+        raise InvalidRequestError(f"{field}: this endpoint serves no calibrations or heads", param=field)
+    return None
+
+
+def _decided(p: Prepared, r: scoring.ScoreResult, fitted: Calibration | DecisionHead | None, layer: int | None,
+             temperature: float) -> Decided:
+    scores = LabelScores.of(r.label_logprobs, temperature)
+    if fitted is None:
+        return Decided(p, scores)
+    raw = scores.probabilities
+    if isinstance(fitted, DecisionHead):
+        probs = [float(x) for x in fitted.probabilities(r.hidden_states[layer])]
+    else:
+        probs = fitted.apply(raw)
+    answered_by = "head" if isinstance(fitted, DecisionHead) else "labels"
+    return Decided(p, LabelScores(scores.logprobs, probs, scores.label_mass), raw, answered_by)
 
 
 def usage(engine: AsyncEngine, counts: list[tuple[int, int]]) -> tuple[int, int, int]:

@@ -47,24 +47,25 @@ class ChoiceOption(Strict):
     description: str | None = None
 
 
-class ChoiceQuestion(Strict):
+class RefQuestionBase(Strict):
     id: str
-    type: Literal["choice"]
     question: str
+    calibration: str | None = None  # ladle's extensions (decisions.md)
+    head: str | None = None
+
+
+class ChoiceQuestion(RefQuestionBase):
+    type: Literal["choice"]
     options: list[ChoiceOption]
 
 
-class ScoreQuestion(Strict):
-    id: str
+class ScoreQuestion(RefQuestionBase):
     type: Literal["score"]
-    question: str
     levels: list[str]
 
 
-class YesNoQuestion(Strict):
-    id: str
+class YesNoQuestion(RefQuestionBase):
     type: Literal["yes_no"]
-    question: str
     yes: str | None = None
     no: str | None = None
 
@@ -90,13 +91,18 @@ class DecisionAnswer(BaseModel):
     score: float | None = None
     prompt_token_ids: list[int] | None = None  # only with return_prompt_token_ids
     label_token_ids: list[int] | None = None
+    raw_probabilities: dict[str, float] | None = None  # only where a calibration or head answered
+    answered_by: Literal["labels", "head"] | None = None
 
     @model_serializer(mode="wrap")
-    def _drop_token_ids(self, handler: Any) -> dict[str, Any]:
+    def _drop_optional_fields(self, handler: Any) -> dict[str, Any]:
         data = handler(self)
         if self.prompt_token_ids is None:
             data.pop("prompt_token_ids", None)
             data.pop("label_token_ids", None)
+        if self.answered_by is None:
+            data.pop("raw_probabilities", None)
+            data.pop("answered_by", None)
         return data
 
 

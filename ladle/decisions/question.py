@@ -31,6 +31,13 @@ class Question:
     kind: Kind
     text: str
     options: list[Option]
+    calibration: str | None = None  # ladle's extensions: a loaded calibration or head, by name
+    head: str | None = None
+    extension_prefix: str = ""  # "x_" in the dialects where ladle's fields carry that prefix
+
+    def field_name(self, extension: str) -> str:
+        """The request field of an extension ("calibration" or "head") in this question's dialect."""
+        return self.extension_prefix + extension
 
     def refuse(self, message: str, field: str | None = None, code: str | None = None) -> InvalidRequestError:
         """An error naming this question (by id) and the field at fault."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ladle.decisions.extensions import Extensions
 from ladle.decisions.pipeline import Decided, Decisions, decide
 from ladle.decisions.protocol import (
     ChoiceQuestion, DecisionAnswer, DecisionsRequest, DecisionsResponse, ScoreQuestion, YesNoQuestion,
@@ -37,6 +38,12 @@ def to_questions(req: DecisionsRequest) -> list[Question]:
 
 
 def _question(rq: ChoiceQuestion | ScoreQuestion | YesNoQuestion, where: str) -> Question:
+    q = _typed_question(rq, where)
+    q.calibration, q.head = rq.calibration, rq.head
+    return q
+
+
+def _typed_question(rq: ChoiceQuestion | ScoreQuestion | YesNoQuestion, where: str) -> Question:
     if isinstance(rq, ChoiceQuestion):
         q = Question(rq.id, where, "choice", rq.question, [Option(o.name, o.description) for o in rq.options])
         check_count(q, "options", len(q.options), 2, MAX_LETTER_OPTIONS)
@@ -52,14 +59,15 @@ def _question(rq: ChoiceQuestion | ScoreQuestion | YesNoQuestion, where: str) ->
     return Question(rq.id, where, "yes_no", rq.question, [Option("yes", rq.yes), Option("no", rq.no)])
 
 
-async def handle(engine: AsyncEngine, model_name: str, req: DecisionsRequest) -> DecisionsResponse:
+async def handle(engine: AsyncEngine, model_name: str, req: DecisionsRequest,
+                 extensions: Extensions | None = None) -> DecisionsResponse:
     if req.prompt_format_version is not None and req.prompt_format_version != PROMPT_FORMAT_VERSION:
         raise InvalidRequestError(f"prompt_format_version {req.prompt_format_version} is not served here: this "
                                   f"server renders prompt format version {PROMPT_FORMAT_VERSION}",
                                   param="prompt_format_version", code="prompt_format_version_mismatch")
     input_text = render_json_or_text(req.input, "input")
     questions = to_questions(req)
-    result = await decide(engine, input_text, questions, req.temperature, req.chat_template_kwargs)
+    result = await decide(engine, input_text, questions, req.temperature, req.chat_template_kwargs, extensions)
     return response(model_name, result, req.return_prompt_token_ids)
 
 
@@ -83,4 +91,6 @@ def _answer(d: Decided, with_token_ids: bool) -> DecisionAnswer:
         score=s.mean_index if q.kind == "score" else None,
         prompt_token_ids=d.prepared.prompt_ids if with_token_ids else None,
         label_token_ids=d.prepared.label_ids if with_token_ids else None,
+        raw_probabilities=dict(zip(keys, d.raw_probabilities)) if d.raw_probabilities is not None else None,
+        answered_by=d.answered_by,
     )

@@ -47,10 +47,10 @@ async def decisions(request: Request) -> Response:
     if is_openai_dialect(_json(raw)):
         oreq = parse(openai_dialect.OpenAIDecisionRequest, raw)
         ctx.check_model(oreq.model)
-        return await _answer(request, openai_dialect.handle(ctx.engine, ctx.model_name, oreq))
+        return await _answer(request, openai_dialect.handle(ctx.engine, ctx.model_name, oreq, ctx.decision_extensions))
     req = parse(DecisionsRequest, raw)
     ctx.check_model(req.model)
-    return await _answer(request, reference.handle(ctx.engine, ctx.model_name, req))
+    return await _answer(request, reference.handle(ctx.engine, ctx.model_name, req, ctx.decision_extensions))
 
 
 @router.post("/v1/score")
@@ -68,4 +68,4 @@ async def systemone_route(request: Request) -> Response:
     systemone.refuse_decisions_fields(_json(raw))
     req = parse(systemone.SystemOneRequest, raw)
     ctx.check_model(req.model)
-    return await _answer(request, systemone.handle(ctx.engine, ctx.model_name, req))
+    return await _answer(request, systemone.handle(ctx.engine, ctx.model_name, req, ctx.decision_extensions))

@@ -19,14 +19,21 @@ from ladle.server.protocol import random_id
 @dataclass
 class ScoreJob:
     prompt_ids: list[int]
-    label_ids: list[int]
+    label_ids: list[int] | None
+    hidden_state_layers: list[int] | None = None  # also these layers' states (SamplingParams)
+    pooling: str = "last"
+
+    def params(self) -> SamplingParams:
+        return SamplingParams(max_tokens=1, label_token_ids=self.label_ids,
+                              hidden_state_layers=self.hidden_state_layers, hidden_state_pooling=self.pooling)
 
 
 @dataclass
 class ScoreResult:
-    label_logprobs: list[float]  # full-vocabulary log-probabilities, one per label id
+    label_logprobs: list[float] | None  # full-vocabulary log-probabilities, one per label id
     num_prompt_tokens: int
     num_cached_tokens: int  # prompt tokens found in the prefix cache
+    hidden_states: dict[int, list[float]] | None = None  # layer -> pooled state, when the job asked
 
 
 async def score(engine: AsyncEngine, jobs: list[ScoreJob], priority: int = 0) -> list[ScoreResult]:
@@ -45,8 +52,7 @@ async def score(engine: AsyncEngine, jobs: list[ScoreJob], priority: int = 0) ->
 
 async def _submit(engine: AsyncEngine, request_id: str, jobs: list[ScoreJob], priority: int) -> list[RequestStream]:
     """Submit all at once (enqueued in one event-loop turn, so the engine sees them together)."""
-    subs = [engine.add_request(f"{request_id}-{i}", job.prompt_ids,
-                               SamplingParams(max_tokens=1, label_token_ids=job.label_ids), priority)
+    subs = [engine.add_request(f"{request_id}-{i}", job.prompt_ids, job.params(), priority)
             for i, job in enumerate(jobs)]
     accepted = await asyncio.gather(*subs, return_exceptions=True)
     streams = [s for s in accepted if isinstance(s, RequestStream)]
@@ -59,16 +65,20 @@ async def _submit(engine: AsyncEngine, request_id: str, jobs: list[ScoreJob], pr
 
 
 async def _collect(stream: RequestStream) -> ScoreResult:
-    logprobs: list[float] | None = None
-    cached = 0
+    result = ScoreResult(None, 0, 0)
+    finished = False
     try:
         async for out in stream:
-            cached = out.num_cached_tokens
+            result.num_cached_tokens = out.num_cached_tokens
             for delta in out.deltas:
+                finished = finished or delta.finish_reason is not None
                 if delta.label_logprobs is not None:
-                    logprobs = delta.label_logprobs
+                    result.label_logprobs = delta.label_logprobs
+                if delta.hidden_states is not None:
+                    result.hidden_states = delta.hidden_states
     finally:
         stream.abort()  # no-op once finished; frees the blocks if we were cancelled
-    if logprobs is None:
-        raise RuntimeError(f"scoring request {stream.request_id} finished without label log-probabilities")
-    return ScoreResult(logprobs, len(stream.prompt_token_ids), cached)
+    if not finished:
+        raise RuntimeError(f"scoring request {stream.request_id} ended without its result")
+    result.num_prompt_tokens = len(stream.prompt_token_ids)
+    return result

@@ -11,6 +11,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from ladle.decisions.answers import choice_confidence, score_confidence
+from ladle.decisions.extensions import Extensions
 from ladle.decisions.pipeline import Decided, decide
 from ladle.decisions.question import (
     MAX_LEVELS, MAX_OPTIONS, MAX_QUESTIONS, Option, Question, check_count, check_option_names, is_blank,
@@ -28,24 +29,29 @@ class _Lenient(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
+class _Extensible(_Lenient):
+    x_calibration: str | None = None  # ladle's extensions (decisions.md)
+    x_head: str | None = None
+
+
 class NoulCriteria(_Lenient):
     true: str | None = None
     false: str | None = None
 
 
-class NoulQuestion(_Lenient):
+class NoulQuestion(_Extensible):
     type: Literal["noul"]
     instructions: Entry | None = None
     criteria: NoulCriteria | None = None
 
 
-class ChoiceQuestion(_Lenient):
+class ChoiceQuestion(_Extensible):
     type: Literal["choice"]
     instructions: Entry
     criteria: dict[str, str | None]
 
 
-class ScoreQuestion(_Lenient):
+class ScoreQuestion(_Extensible):
     type: Literal["score"]
     instructions: Entry
     criteria: list[str]
@@ -87,7 +93,8 @@ def to_questions(req: SystemOneRequest) -> list[Question]:
         if is_blank(key):
             raise InvalidRequestError("question ids must not be blank", param="questions")
         instructions = _instructions(sq.instructions, f"{where}.instructions")
-        q = Question(key, where, {"noul": "yes_no", "choice": "choice", "score": "score"}[sq.type], instructions, [])
+        q = Question(key, where, {"noul": "yes_no", "choice": "choice", "score": "score"}[sq.type], instructions, [],
+                     sq.x_calibration, sq.x_head, "x_")
         if isinstance(sq, NoulQuestion):
             crit = sq.criteria or NoulCriteria()
             if is_blank(instructions) and is_blank(crit.true) and is_blank(crit.false):
@@ -117,15 +124,23 @@ def _instructions(value: Entry | None, where: str) -> str:
     return render_json_or_text(value, where)
 
 
-async def handle(engine: AsyncEngine, model_name: str, req: SystemOneRequest) -> SystemOneResponse:
+async def handle(engine: AsyncEngine, model_name: str, req: SystemOneRequest,
+                 extensions: Extensions | None = None) -> SystemOneResponse:
     state = render_json_or_text(req.state, "state")
-    result = await decide(engine, state, to_questions(req))
+    result = await decide(engine, state, to_questions(req), extensions=extensions)
     answers = {d.question.key: _answer(d) for d in result.answers}
     usage = SystemOneUsage(input_tokens=result.prompt_tokens, x_cached_tokens=result.cached_tokens)
     return SystemOneResponse(model=model_name, answers=answers, usage=usage)
 
 
 def _answer(d: Decided) -> dict[str, Any]:
+    answer = _typed_answer(d)
+    if d.answered_by is not None:
+        answer.update(x_raw_probabilities=d.raw_probabilities, x_answered_by=d.answered_by)
+    return answer
+
+
+def _typed_answer(d: Decided) -> dict[str, Any]:
     q, s = d.question, d.scores
     if q.kind == "yes_no":
         return {"type": "noul", "noul": s.probabilities[0], "x_label_mass": s.label_mass}

@@ -130,6 +130,7 @@ class AsyncEngine:
         self.max_model_len = engine.max_model_len
         self.runtime_info = engine.runtime_info()
         self.vocab_size = engine.model_config.vocab_size
+        self.num_hidden_layers = engine.model_config.num_hidden_layers
         self.max_waiting_requests = engine.config.max_waiting_requests  # None: no bound
         self.num_rejected = 0  # requests refused with QueueFullError
         self._cond = threading.Condition()

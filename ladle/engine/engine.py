@@ -119,6 +119,9 @@ class LLMEngine:
         for name in ("stop_token_ids", "label_token_ids"):
             if any(not 0 <= t < vocab for t in getattr(params, name) or ()):
                 raise InvalidRequestError(f"{name} must be in [0, {vocab})", param=name)
+        layers = self.model_config.num_hidden_layers
+        if any(not 0 <= i <= layers for i in params.hidden_state_layers or ()):
+            raise InvalidRequestError(f"hidden_state_layers must be in [0, {layers}]", param="hidden_state_layers")
         limit = self.max_model_len
         want = len(ids) + (params.max_tokens or 1)
         if len(ids) >= limit or want > limit:
@@ -204,13 +207,19 @@ class LLMEngine:
                                logprobs=[lp] if lp is not None else [], finish_reason=finish, stop_reason=stop_reason)
 
     def _finish_scoring(self, seq: Sequence, logits: torch.Tensor, now: float) -> CompletionDelta:
-        logprobs = torch.log_softmax(logits.double(), dim=-1)
-        labels = logprobs[torch.tensor(seq.params.label_token_ids)].tolist()
+        p = seq.params
+        labels = None
+        if p.label_token_ids is not None:
+            labels = torch.log_softmax(logits.double(), dim=-1)[torch.tensor(p.label_token_ids)].tolist()
+        states = None
+        if p.hidden_state_layers is not None:
+            count = seq.num_prompt_tokens if p.hidden_state_pooling == "mean" else 1
+            states = {layer: (seq.hidden_states[layer] / count).tolist() for layer in p.hidden_state_layers}
         seq.first_token_time = seq.last_token_time = now
         seq.finish_reason = "stop"
         self.scheduler.finish(seq)
         return CompletionDelta(index=seq.index, token_ids=[], text="", logprobs=[], finish_reason="stop",
-                               label_logprobs=labels)
+                               label_logprobs=labels, hidden_states=states)
 
     def _record_prompt_logprobs(self, seq: Sequence, first: int, logits: torch.Tensor) -> None:
         """Row i predicts prompt token first + i + 1; rows already recorded (a recompute

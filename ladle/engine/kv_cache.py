@@ -101,7 +101,7 @@ class KVCacheManager:
 
     def reuses_prefix(self, seq: Sequence) -> bool:
         """Whether seq may start on K/V other sequences computed (cached or in flight)."""
-        return self.cache is not None and seq.params.prompt_logprobs is None  # those need every position
+        return self.cache is not None and not seq.params.needs_every_position
 
     def match_prefix(self, seq: Sequence) -> int:
         """Start a fresh sequence on its longest cached prefix; returns the tokens skipped."""

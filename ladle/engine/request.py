@@ -69,6 +69,8 @@ class Sequence:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
     prompt_logprobs_sent: bool = False
+    # params.hidden_state_layers: layer -> the pooled state so far (a running sum for "mean")
+    hidden_states: dict[int, torch.Tensor] = field(default_factory=dict)
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
@@ -111,6 +113,7 @@ class CompletionDelta:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     label_logprobs: list[float] | None = None  # scoring requests: one per label token
+    hidden_states: dict[int, list[float]] | None = None  # params.hidden_state_layers: layer -> pooled state
 
 
 @dataclass

@@ -17,7 +17,7 @@ from ladle.model.attention import (
     AttentionMetadata, CanonicalRows, KVCache, PrefillSpan, TorchPagedAttention, padded_block_tables,
 )
 from ladle.model.config import ModelConfig
-from ladle.model.llama import LlamaForCausalLM
+from ladle.model.llama import KeptStates, LlamaForCausalLM
 
 
 @dataclass
@@ -57,10 +57,45 @@ class ModelRunner:
             table = seq.block_table
             slots.extend(table[p // self.block_size] * self.block_size + p % self.block_size for p in pos)
         meta = self._metadata(batch, torch.tensor(slots, dtype=torch.int64))
-        hidden = self.model.forward(torch.tensor(input_ids), torch.tensor(positions), meta)
+        keep, owners = self._kept_states(batch)
+        hidden = self.model.forward(torch.tensor(input_ids), torch.tensor(positions), meta, keep)
         for item in batch:
             item.seq.in_step_copy = None
+        if keep is not None:
+            self._pool_kept_states(keep, owners)
         return self._logits(batch, hidden, meta.batch_invariant)
+
+    def _kept_states(self, batch: list[ScheduledSeq]) -> tuple[KeptStates | None, list[tuple[Sequence, int, int]]]:
+        """The rows whose hidden states sequences asked for (their last prompt row, or every
+        prompt row for mean pooling), and (sequence, first, end) of each one's share of them."""
+        rows: list[int] = []
+        owners = []
+        layers: set[int] = set()
+        row = 0
+        for item in batch:
+            seq, n = item.seq, item.num_new_tokens
+            wanted = seq.params.hidden_state_layers
+            if wanted and seq.num_computed_tokens < seq.num_prompt_tokens:
+                if seq.num_computed_tokens == 0:  # the first chunk (or a recompute): start afresh
+                    seq.hidden_states.clear()
+                end = min(seq.num_computed_tokens + n, seq.num_prompt_tokens) - seq.num_computed_tokens
+                mine = range(row, row + end) if seq.params.hidden_state_pooling == "mean" else (
+                    [row + end - 1] if seq.num_computed_tokens + end == seq.num_prompt_tokens else [])
+                if mine:
+                    owners.append((seq, len(rows), len(rows) + len(mine)))
+                    rows.extend(mine)
+                    layers.update(wanted)
+            row += n
+        if not rows:
+            return None, []
+        return KeptStates(frozenset(layers), torch.tensor(rows, dtype=torch.int64)), owners
+
+    @staticmethod
+    def _pool_kept_states(keep: KeptStates, owners: list[tuple[Sequence, int, int]]) -> None:
+        for seq, first, end in owners:
+            for layer in seq.params.hidden_state_layers:
+                part = keep.states[layer][first:end].sum(0)  # one row for "last", a running sum for "mean"
+                seq.hidden_states[layer] = seq.hidden_states[layer] + part if layer in seq.hidden_states else part
 
     def _metadata(self, batch: list[ScheduledSeq], slots: torch.Tensor) -> AttentionMetadata:
         meta = AttentionMetadata(slot_mapping=slots)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from ladle.errors import InvalidRequestError
 
 _GREEDY_EPS = 1e-5
+POOLINGS = ("last", "mean")
 
 
 @dataclass
@@ -32,6 +33,12 @@ class SamplingParams:
     # request returns these tokens' full-vocabulary log-probabilities at the position
     # after the prompt, and finishes.
     label_token_ids: list[int] | None = None
+    # Prefill-only too (embeddings, decision heads): the prompt's hidden states after these
+    # layers, numbered as transformers' output_hidden_states (0 the embeddings, i the output
+    # of decoder layer i, the last after the final norm), pooled over the prompt: "last"
+    # takes the last position (where the answer would come), "mean" averages every position.
+    hidden_state_layers: list[int] | None = None
+    hidden_state_pooling: str = "last"
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -57,6 +64,9 @@ class SamplingParams:
             (all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
              "must be non-negative token ids"),
             (self.label_token_ids is None or len(self.label_token_ids) > 0, "label_token_ids", "must not be empty"),
+            (self.hidden_state_layers is None or len(self.hidden_state_layers) > 0, "hidden_state_layers",
+             "must not be empty"),
+            (self.hidden_state_pooling in POOLINGS, "hidden_state_pooling", f"must be one of {POOLINGS}"),
         ]
         for ok, name, why in checks:
             if not ok:
@@ -64,7 +74,14 @@ class SamplingParams:
 
     @property
     def is_scoring(self) -> bool:
-        return self.label_token_ids is not None
+        """Prefill-only: nothing is sampled, the request ends after its prompt."""
+        return self.label_token_ids is not None or self.hidden_state_layers is not None
+
+    @property
+    def needs_every_position(self) -> bool:
+        """Computed from its first token, never from a cached prefix."""
+        return self.prompt_logprobs is not None or (
+            self.hidden_state_layers is not None and self.hidden_state_pooling == "mean")
 
     @property
     def greedy(self) -> bool:

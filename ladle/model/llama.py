@@ -6,7 +6,7 @@ linear layers never see padding; only attention needs to know where sequences be
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -52,6 +52,21 @@ def _layer_weights(w: dict[str, torch.Tensor], i: int, cfg: ModelConfig) -> Deco
     )
 
 
+@dataclass
+class KeptStates:
+    """Hidden states a forward keeps: these rows of the flat batch, after these layers, numbered
+    as transformers' output_hidden_states (0 the embeddings, i the output of decoder layer i,
+    num_hidden_layers the final normed output)."""
+
+    layers: frozenset[int]
+    rows: torch.Tensor  # int64 row indices
+    states: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [len(rows), hidden] float32
+
+    def keep(self, layer: int, h: torch.Tensor) -> None:
+        if layer in self.layers:
+            self.states[layer] = h.index_select(0, self.rows).float()
+
+
 class LlamaForCausalLM:
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], attention: AttentionBackend):
         w = dict(weights)
@@ -78,16 +93,26 @@ class LlamaForCausalLM:
         return [lin for layer in self.layers for lin in layer.linears] + [self.lm_head]
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """input_ids, positions: [T]. Returns the final normed hidden states [T, hidden]."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                keep: KeptStates | None = None) -> torch.Tensor:
+        """input_ids, positions: [T]. Returns the final normed hidden states [T, hidden]; fills
+        `keep` with the rows and layers it names."""
         inv = meta.batch_invariant
         h = F.embedding(input_ids, self.embed)
         rope = tuple(t.to(h.dtype) for t in self.rotary.tables(positions))  # as transformers rounds them
+        last = len(self.layers)
+        if keep is not None:
+            keep.keep(0, h)
         for i, layer in enumerate(self.layers):
             h = h + self._attention(i, layer, rms_norm(h, layer.input_norm, self.cfg.rms_norm_eps), rope, meta)
             x = rms_norm(h, layer.post_attn_norm, self.cfg.rms_norm_eps)
             h = h + layer.down(silu_and_mul(layer.gate_up(x, inv)), inv)
-        return rms_norm(h, self.norm, self.cfg.rms_norm_eps)
+            if keep is not None and i + 1 < last:
+                keep.keep(i + 1, h)
+        out = rms_norm(h, self.norm, self.cfg.rms_norm_eps)
+        if keep is not None:
+            keep.keep(last, out)
+        return out
 
     def _attention(self, i: int, layer: DecoderLayerWeights, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                    meta: AttentionMetadata) -> torch.Tensor:

@@ -9,8 +9,9 @@ from fastapi import FastAPI
 
 from ladle import __version__
 from ladle.decisions import routes as decision_routes
+from ladle.decisions.extensions import Extensions
 from ladle.engine.async_engine import AsyncEngine
-from ladle.server import openai_routes, utility_routes
+from ladle.server import embeddings, openai_routes, utility_routes
 from ladle.server.context import ServerContext
 from ladle.server.errors import install_error_handlers
 from ladle.server.middleware import APIKeyMiddleware, BodyLimitMiddleware
@@ -19,7 +20,7 @@ DEFAULT_MAX_BODY_BYTES = 16 * 2**20
 
 
 def create_app(engine: AsyncEngine, served_model_name: str, api_key: str | None = None,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, decision_extensions: Extensions | None = None) -> FastAPI:
     """The app starts the engine thread on startup; stopping it is the caller's (`engine.shutdown()`),
     so one engine can outlive several apps."""
 
@@ -33,11 +34,13 @@ def create_app(engine: AsyncEngine, served_model_name: str, api_key: str | None 
             engine.remove_step_listener(ctx.metrics.on_step)
 
     app = FastAPI(title="ladle", version=__version__, lifespan=lifespan)
-    app.state.ctx = ctx = ServerContext(engine, served_model_name, model_root=str(engine.engine.model_path))
+    app.state.ctx = ctx = ServerContext(engine, served_model_name, model_root=str(engine.engine.model_path),
+                                        decision_extensions=decision_extensions or Extensions(served_model_name))
     install_error_handlers(app)
     app.include_router(openai_routes.router)
     app.include_router(utility_routes.router)
     app.include_router(decision_routes.router)
+    app.include_router(embeddings.router)
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)  # outermost: no body is read before the key

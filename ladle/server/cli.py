@@ -20,11 +20,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $LADLE_API_KEY, else none)")
     g.add_argument("--max-request-body-bytes", type=int, default=None, help="larger bodies get 413 (default 16 MiB)")
     g.add_argument("--uvicorn-log-level", choices=LOG_LEVELS, default="info")
+    d = parser.add_argument_group("decisions")
+    d.add_argument("--decision-calibration", action="append", default=[], metavar="NAME=PATH",
+                   help="a calibration from `ladle calibrate fit`, for questions naming it (repeatable)")
+    d.add_argument("--decision-head", action="append", default=[], metavar="NAME=PATH",
+                   help="a head from `ladle heads fit` (HEAD.safetensors beside HEAD.json), for questions "
+                        "naming it (repeatable)")
 
 
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from ladle.decisions.extensions import Extensions
     from ladle.engine.async_engine import AsyncEngine
     from ladle.engine.engine import LLMEngine
     from ladle.server.app import DEFAULT_MAX_BODY_BYTES, create_app
@@ -32,12 +39,13 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         config = engine_config_from_args(args)
+        name = served_model_name(config)
+        extensions = Extensions.load(name, args.decision_calibration, args.decision_head)
         engine = AsyncEngine(LLMEngine(config))
-    except (FileNotFoundError, ValueError) as e:  # a bad model path or flag: say so, no traceback
+    except (FileNotFoundError, KeyError, ValueError) as e:  # a bad model path, flag or file: say so, no traceback
         print(f"ladle serve: {e}", file=sys.stderr)
         return 2
-    name = served_model_name(config)
-    app = create_app(engine, name, api_key=args.api_key,
+    app = create_app(engine, name, api_key=args.api_key, decision_extensions=extensions,
                      max_body_bytes=args.max_request_body_bytes or DEFAULT_MAX_BODY_BYTES)
     host = f"[{args.host}]" if ":" in args.host else args.host
     info = engine.runtime_info

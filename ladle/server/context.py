@@ -9,6 +9,7 @@ from pathlib import Path
 from fastapi import Request
 
 from ladle.config import EngineConfig
+from ladle.decisions.extensions import Extensions
 from ladle.engine.async_engine import AsyncEngine
 from ladle.server.errors import APIError
 from ladle.server.logprobs import TokenNames
@@ -22,6 +23,7 @@ class ServerContext:
     engine: AsyncEngine
     model_name: str
     model_root: str | None = None
+    decision_extensions: Extensions | None = None  # calibrations and heads questions may name
     created: int = field(default_factory=lambda: int(time.time()))
     names: TokenNames = field(init=False)
     metrics: Metrics = field(init=False)

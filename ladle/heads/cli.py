@@ -1,0 +1,73 @@
+"""`ladle heads fit`: a learned decision head from labelled examples, through a ladle server."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+from pathlib import Path
+
+from ladle.calibrate.cli import split
+from ladle.calibrate.client import read_labelled
+from ladle.calibrate.report import evaluate, reliability_png
+from ladle.heads.fit import fit_head
+
+
+# Counted from the end (-1: the final normed output), so they suit any depth: the middle-to-late
+# layers, where what a question asks is most linearly readable, and the last.
+AUTO_LAYERS = [-1, -4, -8, -12, -16]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="heads_command", metavar="{fit}", required=True)
+    fit = sub.add_parser("fit", help="fit a head on the model's hidden states and report it on held-out examples")
+    fit.add_argument("--base-url", required=True, help="a ladle server, e.g. http://127.0.0.1:8000")
+    fit.add_argument("--model", default=None, help="model name to send (default: the server's own)")
+    fit.add_argument("--data", type=Path, required=True, help='JSONL, one {"input": ..., "label": ...} a line')
+    fit.add_argument("--question", type=Path, required=True, help="one question in the /v1/decisions shape (JSON)")
+    fit.add_argument("--out", type=Path, required=True, help="HEAD.safetensors (HEAD.json is written beside it)")
+    fit.add_argument("--heldout", type=Path, default=None,
+                     help="held-out JSONL (default: a seeded quarter of --data, never used for fitting)")
+    fit.add_argument("--report-dir", type=Path, default=None, help="write report.json and reliability.png here")
+    fit.add_argument("--layers", default="auto",
+                     help="comma-separated layers to try (transformers' numbering, negative from the end), or "
+                          f"auto: {AUTO_LAYERS}")
+    fit.add_argument("--C", dest="strengths", default="0.01,0.1,1",
+                     help="inverse regularisation strengths to try (comma-separated)")
+    fit.add_argument("--seed", type=int, default=0)
+    fit.add_argument("--concurrency", type=int, default=4, help="requests in flight")
+
+
+def run(args: argparse.Namespace) -> int:
+    return asyncio.run(_fit(args))
+
+
+async def _fit(args: argparse.Namespace) -> int:
+    question = json.loads(args.question.read_text())
+    data = read_labelled(args.data, question)
+    fit_set, held = (data, read_labelled(args.heldout, question)) if args.heldout else split(data, args.seed)
+    layers = AUTO_LAYERS if args.layers == "auto" else [int(x) for x in args.layers.split(",")]
+    strengths = [float(x) for x in args.strengths.split(",")]
+    print(f"{len(fit_set.inputs)} examples to fit, {len(held.inputs)} held out; options {data.options}; "
+          f"layers {layers}, C {strengths}")
+    result = await fit_head(args.base_url, args.model, question, fit_set, held, layers, strengths,
+                            args.concurrency, args.seed)
+    report = {"model": result.head.model, "question_id": question["id"], "options": data.options,
+              "layer": result.head.layer, "seed": args.seed, "n_fit": len(fit_set.inputs),
+              "n_heldout": len(held.inputs), "fit_seconds": result.seconds, "search": result.search,
+              "before": evaluate(result.before, held.labels, data.options),
+              "after": evaluate(result.after, held.labels, data.options)}
+    result.head.report = {k: report[k] for k in ("n_fit", "n_heldout", "before", "after", "search")}
+    result.head.save(args.out)
+    if args.report_dir:
+        args.report_dir.mkdir(parents=True, exist_ok=True)
+        (args.report_dir / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+        reliability_png(args.report_dir / "reliability.png", held.labels, result.before, result.after,
+                        f"{question['id']}: zero-shot vs head (layer {result.head.layer})")
+    print(f"layer {result.head.layer} chosen; fitted in {result.seconds:.1f} s")
+    print(f"held out ({report['n_heldout']} examples)    accuracy    NLL   Brier    ECE")
+    for name, label in (("before", "zero-shot decision"), ("after", "head")):
+        r = report[name]
+        print(f"  {label:24s} {r['accuracy']:8.3f} {r['nll']:7.3f} {r['brier']:7.3f} {r['ece']:6.3f}")
+    print(f"wrote {args.out} and {args.out.with_suffix('.json')}")
+    return 0
