@@ -23,6 +23,7 @@ QUESTION = {"id": "team", "type": "choice", "question": "Which team should handl
             "options": [{"name": n} for n in TEAMS]}
 TICKET = "I was charged twice for my subscription this month and need a refund for the duplicate."
 LAYER = -8  # counted from the end
+POOL_FROM = 8  # mean pooling from this token on
 
 
 def calibration_file(path: Path, calibrator, model: str = MODEL, labels: list[str] = TEAMS) -> str:
@@ -34,7 +35,7 @@ def calibration_file(path: Path, calibrator, model: str = MODEL, labels: list[st
 def head_file(path: Path, hidden: int, model: str = MODEL) -> str:
     rng = np.random.default_rng(0)
     head = DecisionHead(rng.normal(size=(3, hidden)) * 0.05, np.array([0.1, -0.2, 0.3]), rng.normal(size=hidden),
-                        rng.uniform(0.5, 2.0, size=hidden), LAYER, TEAMS, model, "team", 1)
+                        rng.uniform(0.5, 2.0, size=hidden), LAYER, TEAMS, model, "team", 1, "mean", POOL_FROM)
     head.save(path)
     return str(path)
 
@@ -95,7 +96,8 @@ def test_head_answers_from_the_hidden_state_of_the_same_prompt(ext_server: Serve
     assert answer["raw_probabilities"] == raw["probabilities"] and answer["label_mass"] == raw["label_mass"]
     # the head's own arithmetic on the state /v1/embeddings reads from the decision's exact tokens
     state = httpx.post(f"{ext_server.url}/v1/embeddings", json={
-        "input": [raw["prompt_token_ids"]], "layer": LAYER, "normalize": False}).json()["data"][0]["embedding"]
+        "input": [raw["prompt_token_ids"]], "layer": LAYER, "pooling": "mean", "pooling_start": POOL_FROM,
+        "normalize": False}).json()["data"][0]["embedding"]
     head = DecisionHead.load(Path(ext_server_head_path(tmp_path, len(state))))
     want = head.probabilities(np.array(state))
     assert [answer["probabilities"][n] for n in TEAMS] == pytest.approx(want, abs=1e-9)

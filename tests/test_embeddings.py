@@ -34,11 +34,12 @@ def test_states_match_transformers_for_each_pooling_and_layer(server: Server, hf
     ids = server.engine.tokenizer.encode(TEXT)
     with torch.no_grad():
         ref = model(torch.tensor([ids]), output_hidden_states=True).hidden_states
-    for layer, pooling in [(-1, "last"), (12, "last"), (12, "mean"), (0, "mean")]:
-        got = np.array(embed(server, input=[ids], layer=layer, pooling=pooling, normalize=False).json()
+    for layer, pooling, start in [(-1, "last", 0), (12, "last", 0), (12, "mean", 0), (0, "mean", 0), (20, "mean", 5)]:
+        extra = {"pooling_start": start} if start else {}
+        got = np.array(embed(server, input=[ids], layer=layer, pooling=pooling, normalize=False, **extra).json()
                        ["data"][0]["embedding"])
         state = ref[layer][0]
-        want = (state[-1] if pooling == "last" else state.mean(0)).numpy()
+        want = (state[-1] if pooling == "last" else state[start:].mean(0)).numpy()
         assert np.abs(got - want).max() <= 2e-3 * np.abs(want).max(), (layer, pooling)
 
 
@@ -53,6 +54,8 @@ def test_layers_count_from_the_end_when_negative(server: Server) -> None:
     ({"input": TEXT, "layer": 999}, "layer"),
     ({"input": TEXT, "pooling": "max"}, "pooling"),
     ({"input": TEXT, "dimensions": 64}, "dimensions"),
+    ({"input": TEXT, "pooling_start": 3}, "pooling_start"),
+    ({"input": TEXT, "pooling": "mean", "pooling_start": 500}, "pooling_start"),
     ({"input": []}, "input"),
     ({"input": [""]}, "input"),
     ({"input": TEXT, "colour": "blue"}, "colour"),

@@ -73,8 +73,21 @@ def test_mean_pooling_never_starts_from_a_cached_prefix(llm: LLM, hf_smollm2) ->
     assert_close(torch.tensor(out[0].outputs[0].hidden_states[20]), reference(hf_smollm2, longer)[20][0].mean(0))
 
 
+def test_mean_from_a_start_position_reuses_the_cache_only_before_it(llm: LLM, hf_smollm2) -> None:
+    base = llm.engine.tokenizer.encode(PROMPTS[2])
+    states(llm, [base], [20], "last")
+    longer = base + llm.engine.tokenizer.encode(" # memoised")
+    params = SamplingParams(max_tokens=1, hidden_state_layers=[20], hidden_state_pooling="mean", hidden_state_start=20)
+    out = llm.generate([longer], params)
+    assert out[0].num_cached_tokens == 20  # everything before the start (a block and a copied part), nothing past
+    assert_close(torch.tensor(out[0].outputs[0].hidden_states[20]), reference(hf_smollm2, longer)[20][0, 20:].mean(0))
+
+
 def test_bad_layers_and_pooling_are_refused(llm: LLM) -> None:
     with pytest.raises(InvalidRequestError, match="hidden_state_layers"):
         llm.generate(["hello"], SamplingParams(max_tokens=1, hidden_state_layers=[31]))
+    with pytest.raises(InvalidRequestError, match="hidden_state_start"):
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=1, hidden_state_layers=[3], hidden_state_pooling="mean",
+                                                 hidden_state_start=3))
     with pytest.raises(InvalidRequestError, match="hidden_state_pooling"):
         SamplingParams(max_tokens=1, hidden_state_layers=[3], hidden_state_pooling="max")

@@ -76,11 +76,19 @@ async def decide(engine: AsyncEngine, input_text: str, questions: list[Question]
                                        kwargs)
     states = engine.num_hidden_layers + 1  # layers count from the end when negative
     layers = [f.layer % states if isinstance(f, DecisionHead) else None for f in fitted]
-    jobs = [scoring.ScoreJob(p.prompt_ids, p.label_ids, None if layer is None else [layer])
-            for p, layer in zip(prepared, layers)]
+    jobs = [_job(p, f, layer) for p, f, layer in zip(prepared, fitted, layers)]
     results = await scoring.score(engine, jobs)
     answers = [_decided(p, r, f, layer, temperature) for p, r, f, layer in zip(prepared, results, fitted, layers)]
     return Decisions(answers, *usage(engine, [(r.num_prompt_tokens, r.num_cached_tokens) for r in results]))
+
+
+def _job(p: Prepared, fitted: Calibration | DecisionHead | None, layer: int | None) -> scoring.ScoreJob:
+    if not isinstance(fitted, DecisionHead):
+        return scoring.ScoreJob(p.prompt_ids, p.label_ids)
+    if fitted.pooling == "mean" and fitted.pool_from >= len(p.prompt_ids):
+        raise p.question.refuse(f"head pools from token {fitted.pool_from}, past this prompt's end",
+                                p.question.field_name("head"))
+    return scoring.ScoreJob(p.prompt_ids, p.label_ids, [layer], fitted.pooling, fitted.pool_from)
 
 
 def _extension(q: Question, extensions: Extensions | None, temperature: float) -> Calibration | DecisionHead | None:

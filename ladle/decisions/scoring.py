@@ -22,10 +22,12 @@ class ScoreJob:
     label_ids: list[int] | None
     hidden_state_layers: list[int] | None = None  # also these layers' states (SamplingParams)
     pooling: str = "last"
+    pooling_start: int = 0
 
     def params(self) -> SamplingParams:
         return SamplingParams(max_tokens=1, label_token_ids=self.label_ids,
-                              hidden_state_layers=self.hidden_state_layers, hidden_state_pooling=self.pooling)
+                              hidden_state_layers=self.hidden_state_layers, hidden_state_pooling=self.pooling,
+                              hidden_state_start=self.pooling_start)
 
 
 @dataclass

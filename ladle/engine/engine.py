@@ -122,6 +122,9 @@ class LLMEngine:
         layers = self.model_config.num_hidden_layers
         if any(not 0 <= i <= layers for i in params.hidden_state_layers or ()):
             raise InvalidRequestError(f"hidden_state_layers must be in [0, {layers}]", param="hidden_state_layers")
+        if params.hidden_state_layers and params.hidden_state_start >= len(ids):
+            raise InvalidRequestError(f"hidden_state_start must be below the prompt's {len(ids)} tokens",
+                                      param="hidden_state_start")
         limit = self.max_model_len
         want = len(ids) + (params.max_tokens or 1)
         if len(ids) >= limit or want > limit:
@@ -213,7 +216,7 @@ class LLMEngine:
             labels = torch.log_softmax(logits.double(), dim=-1)[torch.tensor(p.label_token_ids)].tolist()
         states = None
         if p.hidden_state_layers is not None:
-            count = seq.num_prompt_tokens if p.hidden_state_pooling == "mean" else 1
+            count = seq.num_prompt_tokens - p.hidden_state_start if p.hidden_state_pooling == "mean" else 1
             states = {layer: (seq.hidden_states[layer] / count).tolist() for layer in p.hidden_state_layers}
         seq.first_token_time = seq.last_token_time = now
         seq.finish_reason = "stop"

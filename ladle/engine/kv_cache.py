@@ -96,12 +96,17 @@ class KVCacheManager:
         return len(path) * self.block_size
 
     def _max_match_blocks(self, seq: Sequence) -> int:
-        # At least the last token is always computed, so the step has logits to sample from.
-        return (seq.num_tokens - 1) // self.block_size
+        return self.reusable_tokens(seq) // self.block_size
+
+    def reusable_tokens(self, seq: Sequence) -> int:
+        """How far seq may start on K/V other sequences computed. At least the last token is
+        always computed, so the step has logits to sample from."""
+        limit = seq.params.max_reused_prompt_tokens
+        return seq.num_tokens - 1 if limit is None else min(seq.num_tokens - 1, limit)
 
     def reuses_prefix(self, seq: Sequence) -> bool:
         """Whether seq may start on K/V other sequences computed (cached or in flight)."""
-        return self.cache is not None and not seq.params.needs_every_position
+        return self.cache is not None and seq.params.max_reused_prompt_tokens != 0
 
     def match_prefix(self, seq: Sequence) -> int:
         """Start a fresh sequence on its longest cached prefix; returns the tokens skipped."""
@@ -121,7 +126,7 @@ class KVCacheManager:
         """Where the prompt shares only the start of a cached block, copy those tokens'
         K/V into a fresh block (the runner does the copy) instead of recomputing them."""
         start = seq.num_computed_tokens
-        limit = min(start + self.block_size, seq.num_tokens - 1)  # the last token is always computed
+        limit = min(start + self.block_size, self.reusable_tokens(seq))
         source, shared = self.cache.partial_match(parent, seq.token_ids[start:limit], canonical_only=seq.canonical)
         if source is None or self.num_free_blocks <= 1:  # keep the source from being evicted for it
             return

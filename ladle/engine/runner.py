@@ -66,25 +66,28 @@ class ModelRunner:
         return self._logits(batch, hidden, meta.batch_invariant)
 
     def _kept_states(self, batch: list[ScheduledSeq]) -> tuple[KeptStates | None, list[tuple[Sequence, int, int]]]:
-        """The rows whose hidden states sequences asked for (their last prompt row, or every
-        prompt row for mean pooling), and (sequence, first, end) of each one's share of them."""
+        """The rows whose hidden states sequences asked for (their last prompt row, or for mean
+        pooling every prompt row from hidden_state_start on), and (sequence, first, end) of each
+        one's share of them."""
         rows: list[int] = []
         owners = []
         layers: set[int] = set()
         row = 0
         for item in batch:
-            seq, n = item.seq, item.num_new_tokens
-            wanted = seq.params.hidden_state_layers
-            if wanted and seq.num_computed_tokens < seq.num_prompt_tokens:
-                if seq.num_computed_tokens == 0:  # the first chunk (or a recompute): start afresh
+            seq, n, p = item.seq, item.num_new_tokens, item.seq.params
+            done = seq.num_computed_tokens
+            if p.hidden_state_layers and done < seq.num_prompt_tokens:
+                if done <= p.hidden_state_start:  # nothing pooled yet (or a recompute): start afresh
                     seq.hidden_states.clear()
-                end = min(seq.num_computed_tokens + n, seq.num_prompt_tokens) - seq.num_computed_tokens
-                mine = range(row, row + end) if seq.params.hidden_state_pooling == "mean" else (
-                    [row + end - 1] if seq.num_computed_tokens + end == seq.num_prompt_tokens else [])
+                end = min(done + n, seq.num_prompt_tokens)  # positions [done, end) are prompt rows here
+                if p.hidden_state_pooling == "mean":
+                    mine = range(row + max(0, p.hidden_state_start - done), row + end - done)
+                else:
+                    mine = [row + end - done - 1] if end == seq.num_prompt_tokens else []
                 if mine:
                     owners.append((seq, len(rows), len(rows) + len(mine)))
                     rows.extend(mine)
-                    layers.update(wanted)
+                    layers.update(p.hidden_state_layers)
             row += n
         if not rows:
             return None, []

@@ -36,9 +36,11 @@ class SamplingParams:
     # Prefill-only too (embeddings, decision heads): the prompt's hidden states after these
     # layers, numbered as transformers' output_hidden_states (0 the embeddings, i the output
     # of decoder layer i, the last after the final norm), pooled over the prompt: "last"
-    # takes the last position (where the answer would come), "mean" averages every position.
+    # takes the last position (where the answer would come), "mean" averages the positions
+    # from hidden_state_start on (those are always computed, never taken from the cache).
     hidden_state_layers: list[int] | None = None
     hidden_state_pooling: str = "last"
+    hidden_state_start: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -67,6 +69,7 @@ class SamplingParams:
             (self.hidden_state_layers is None or len(self.hidden_state_layers) > 0, "hidden_state_layers",
              "must not be empty"),
             (self.hidden_state_pooling in POOLINGS, "hidden_state_pooling", f"must be one of {POOLINGS}"),
+            (self.hidden_state_start >= 0, "hidden_state_start", "must be non-negative"),
         ]
         for ok, name, why in checks:
             if not ok:
@@ -78,10 +81,15 @@ class SamplingParams:
         return self.label_token_ids is not None or self.hidden_state_layers is not None
 
     @property
-    def needs_every_position(self) -> bool:
-        """Computed from its first token, never from a cached prefix."""
-        return self.prompt_logprobs is not None or (
-            self.hidden_state_layers is not None and self.hidden_state_pooling == "mean")
+    def max_reused_prompt_tokens(self) -> int | None:
+        """Leading prompt tokens that may be taken from the prefix cache or from another
+        sequence's K/V rather than computed (None: no limit): positions whose logprobs or
+        hidden states the request reports must be computed."""
+        if self.prompt_logprobs is not None:
+            return 0
+        if self.hidden_state_layers is not None and self.hidden_state_pooling == "mean":
+            return self.hidden_state_start
+        return None
 
     @property
     def greedy(self) -> bool:

@@ -123,7 +123,7 @@ class Scheduler:
             src = item.seq
             if seq.canonical and not src.canonical:
                 continue
-            end = min(src.num_computed_tokens + item.num_new_tokens, seq.num_tokens - 1)
+            end = min(src.num_computed_tokens + item.num_new_tokens, self.kv.reusable_tokens(seq))
             if not self.kv.cache_outputs:  # generated tokens' K/V may not match a prompt's
                 end = min(end, src.num_prompt_tokens)
             if end > best_len and (n := common_prefix_len(seq.token_ids, src.token_ids, end)) > best_len:

@@ -2,9 +2,11 @@
 
 For each example: /v1/decisions (with return_prompt_token_ids) gives the zero-shot answer
 and the exact tokens the decision renders; /v1/embeddings on those tokens gives the hidden
-state after a layer at the answer position, the same state the server reads when it
-answers with the head (scoring is batch-invariant, so the bits agree). A standardised
-logistic regression (scikit-learn) on those states is the head.
+states after a layer, mean-pooled from where the input begins (the tokens every rendered
+prompt shares before it are the chat template's head), the same pooled state the server
+computes when it answers with the head (scoring is batch-invariant, so the bits agree). A
+standardised logistic regression (scikit-learn) on those states is the head, its
+regularisation chosen by cross-validation on the fit set.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import numpy as np
 from tqdm import tqdm
 
 from ladle.calibrate.client import Labelled, option_names
-from ladle.heads.head import POOLING, DecisionHead
+from ladle.heads.head import DecisionHead
 
 EMBED_BATCH = 8  # prompts per /v1/embeddings request
 
@@ -62,15 +64,25 @@ async def render(base_url: str, model: str | None, question: dict[str, Any], inp
                     replies[-1].get("prompt_format_version"))
 
 
-async def features(base_url: str, model: str | None, prompts: list[list[int]], layer: int,
-                   concurrency: int = 2, desc: str = "hidden states") -> np.ndarray:
-    """[n, hidden]: the unnormalised state after `layer` at each prompt's last position."""
+def shared_prefix_len(prompts: list[list[int]]) -> int:
+    """Tokens every prompt starts with: the chat template's head, before the input."""
+    first = prompts[0]
+    n = min(map(len, prompts))
+    for ids in prompts[1:]:
+        n = next((i for i in range(n) if ids[i] != first[i]), n)
+    return n
+
+
+async def features(base_url: str, model: str | None, prompts: list[list[int]], layer: int, pooling: str = "mean",
+                   pool_from: int = 0, concurrency: int = 2, desc: str = "hidden states") -> np.ndarray:
+    """[n, hidden]: each prompt's unnormalised states after `layer`, pooled as the head will."""
     batches = [prompts[i : i + EMBED_BATCH] for i in range(0, len(prompts), EMBED_BATCH)]
     limit = asyncio.Semaphore(concurrency)
     bar = tqdm(total=len(prompts), desc=desc, unit="ex")
 
     async def one(client: httpx.AsyncClient, batch: list[list[int]]) -> list[list[float]]:
-        body = {"input": batch, "layer": layer, "pooling": POOLING, "normalize": False,
+        body = {"input": batch, "layer": layer, "pooling": pooling, "normalize": False,
+                **({"pooling_start": pool_from} if pooling == "mean" else {}),
                 **({"model": model} if model else {})}
         async with limit:
             r = await client.post("/v1/embeddings", json=body)
@@ -125,18 +137,20 @@ class FitResult:
 
 
 async def fit_head(base_url: str, model: str | None, question: dict[str, Any], fit_set: Labelled,
-                   held: Labelled, layers: list[int], strengths: list[float], concurrency: int = 4,
-                   seed: int = 0) -> FitResult:
+                   held: Labelled, layers: list[int], strengths: list[float], pooling: str = "mean",
+                   concurrency: int = 4, seed: int = 0) -> FitResult:
     """Choose the layer and regularisation by cross-validation on the fit set, fit there,
     and answer the held-out set with the head and zero-shot."""
     start = time.perf_counter()
     k = len(fit_set.options)
     fit_r = await render(base_url, model, question, fit_set.inputs, concurrency, "fit set")
     held_r = await render(base_url, model, question, held.inputs, concurrency, "held out")
+    pool_from = shared_prefix_len(fit_r.prompt_ids) if pooling == "mean" else 0
     search, best = [], None
     fit_x: dict[int, np.ndarray] = {}
     for layer in layers:
-        fit_x[layer] = await features(base_url, model, fit_r.prompt_ids, layer, desc=f"layer {layer}")
+        fit_x[layer] = await features(base_url, model, fit_r.prompt_ids, layer, pooling, pool_from,
+                                      desc=f"layer {layer}")
         for c in strengths:
             nll = cross_validated_nll(fit_x[layer], fit_set.labels, k, c, seed=seed)
             search.append({"layer": layer, "C": c, "cv_nll": nll})
@@ -145,6 +159,6 @@ async def fit_head(base_url: str, model: str | None, question: dict[str, Any], f
     _, layer, c = best
     weight, bias, mean, scale = fit_logistic(fit_x[layer], fit_set.labels, k, c)
     head = DecisionHead(weight, bias, mean, scale, layer, list(fit_set.options), fit_r.model, question["id"],
-                        fit_r.prompt_format_version)
-    held_x = await features(base_url, model, held_r.prompt_ids, layer, desc="held out states")
+                        fit_r.prompt_format_version, pooling, pool_from)
+    held_x = await features(base_url, model, held_r.prompt_ids, layer, pooling, pool_from, desc="held out states")
     return FitResult(head, held_r.probs, head.probabilities(held_x), search, time.perf_counter() - start)

@@ -1,8 +1,10 @@
 """A decision head on disk and in use: HEAD.safetensors (the weights) beside HEAD.json (what it
 was fitted for, and how well it did).
 
-probabilities = softmax(W ((x - mean) / scale) + b), x the hidden state after `layer` at the
-last prompt position of the rendered decision (pooling "last"), in float64.
+probabilities = softmax(W ((x - mean) / scale) + b), in float64, where x is the hidden state
+after `layer` of the rendered decision, pooled: "mean" over the prompt from token `pool_from`
+on (where the input begins: the chat template's head before it is the same for every input,
+and the prefix cache may still serve it), or "last", the answer position alone.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import Any
 import numpy as np
 
 FORMAT = 1  # version of the head files' layout
-POOLING = "last"  # the answer position: always computed, even when the prompt's prefix is cached
+POOLINGS = ("mean", "last")
 
 
 @dataclass
@@ -29,6 +31,8 @@ class DecisionHead:
     model: str
     question_id: str
     prompt_format_version: int | None
+    pooling: str = "mean"
+    pool_from: int = 0
     report: dict[str, Any] = field(default_factory=dict)
 
     def probabilities(self, features: np.ndarray) -> np.ndarray:
@@ -45,7 +49,8 @@ class DecisionHead:
         save_file({"weight": self.weight, "bias": self.bias, "mean": self.mean, "scale": self.scale}, str(path))
         sidecar(path).write_text(json.dumps({
             "ladle_head": FORMAT, "model": self.model, "question_id": self.question_id, "labels": self.labels,
-            "layer": self.layer, "pooling": POOLING, "prompt_format_version": self.prompt_format_version,
+            "layer": self.layer, "pooling": self.pooling, "pool_from": self.pool_from,
+            "prompt_format_version": self.prompt_format_version,
             "report": self.report}, indent=2) + "\n")
 
     @classmethod
@@ -53,11 +58,12 @@ class DecisionHead:
         from safetensors.numpy import load_file
 
         meta = json.loads(sidecar(path).read_text())
-        if meta.get("ladle_head") != FORMAT or meta.get("pooling") != POOLING:
+        if meta.get("ladle_head") != FORMAT or meta.get("pooling") not in POOLINGS:
             raise ValueError(f"{sidecar(path)} is not a ladle decision head of format {FORMAT}")
         t = {k: v.astype(np.float64) for k, v in load_file(str(path)).items()}
         return cls(t["weight"], t["bias"], t["mean"], t["scale"], int(meta["layer"]), list(meta["labels"]),
-                   meta["model"], meta["question_id"], meta.get("prompt_format_version"), meta.get("report", {}))
+                   meta["model"], meta["question_id"], meta.get("prompt_format_version"), meta["pooling"],
+                   int(meta.get("pool_from", 0)), meta.get("report", {}))
 
 
 def sidecar(path: Path) -> Path:

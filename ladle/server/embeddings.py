@@ -2,7 +2,8 @@
 
 ladle serves generative models, so an embedding is a pooled hidden state of the prompt:
 `pooling` "last" (default; the last token, which has attended to all the others) or "mean"
-(every token; such a request never starts from the prefix cache), after `layer`
+(every token from `pooling_start`, default 0; the prefix cache serves only tokens before
+it, so those are computed even when cached), after `layer`
 (transformers' numbering: 0 the embeddings, i the output of decoder layer i, the last one
 the final normed output; negative counts from the end, default -1). `normalize` (default
 true, as OpenAI's embeddings are unit length) divides by the L2 norm. `ladle heads fit`
@@ -39,6 +40,7 @@ class EmbeddingRequest(BaseModel):
     user: str | None = None
     layer: int = -1
     pooling: Literal["last", "mean"] = "last"
+    pooling_start: int = Field(0, ge=0)
     normalize: bool = True
 
 
@@ -93,7 +95,11 @@ async def embeddings(request: Request) -> Response:
         raise InvalidRequestError(f"layer must be in [{-(layers + 1)}, {layers}] for this model", param="layer")
     layer = req.layer % (layers + 1)
     prompts = prompts_of(req, ctx.engine.tokenizer.encode)
-    jobs = [scoring.ScoreJob(ids, None, [layer], req.pooling) for ids in prompts]
+    if req.pooling_start and req.pooling != "mean":
+        raise InvalidRequestError("pooling_start applies to mean pooling only", param="pooling_start")
+    if any(req.pooling_start >= len(ids) for ids in prompts):
+        raise InvalidRequestError("pooling_start must be below every input's token count", param="pooling_start")
+    jobs = [scoring.ScoreJob(ids, None, [layer], req.pooling, req.pooling_start) for ids in prompts]
     results = await scoring.score(ctx.engine, jobs)
     data = [Embedding(index=i, embedding=encode_vector(r.hidden_states[layer], req.normalize, req.encoding_format))
             for i, r in enumerate(results)]
