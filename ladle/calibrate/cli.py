@@ -1,5 +1,6 @@
 """`ladle calibrate fit`: fit a calibration of a decision question's probabilities on labelled
-examples, through any server's /v1/decisions, and report it on examples the fit never saw."""
+examples, through any server's /v1/decisions, and report it on examples the fit never saw.
+`ladle calibrate check`: the replay and option-order tests (check.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from ladle.calibrate import methods
+from ladle.calibrate import check, methods
 from ladle.calibrate.client import Labelled, read_labelled, score_all, score_permuted
 from ladle.calibrate.report import evaluate, label_mass_summary, reliability_png
 
@@ -20,7 +21,7 @@ FORMAT = 1  # version of the calibration file's layout
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    sub = parser.add_subparsers(dest="calibrate_command", metavar="{fit}", required=True)
+    sub = parser.add_subparsers(dest="calibrate_command", metavar="{fit,check}", required=True)
     fit = sub.add_parser("fit", help="fit a calibration and report it on held-out examples")
     fit.add_argument("--base-url", required=True, help="the server, e.g. http://127.0.0.1:8000")
     fit.add_argument("--model", default=None, help="model name to send (default: the server's own)")
@@ -37,8 +38,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     fit.add_argument("--prior-sample", type=int, default=16,
                      help="examples scored under every cyclic option order for --method pride")
 
+    chk = sub.add_parser("check", help="replay the labelled set (cold, warm, alone, batched, mixed with chat) "
+                         "and shuffle the option order; exit 1 on any choice flip or |Δp| above --max-delta")
+    chk.add_argument("--base-url", required=True, help="the server, e.g. http://127.0.0.1:8000")
+    chk.add_argument("--model", default=None, help="model name to send (default: the server's own)")
+    chk.add_argument("--data", type=Path, required=True, help='JSONL, one {"input": ..., "label": ...} a line')
+    chk.add_argument("--question", type=Path, required=True, help="one question in the /v1/decisions shape (JSON)")
+    chk.add_argument("--limit", type=int, default=None, help="use only the first N examples")
+    chk.add_argument("--repeats", type=int, default=2, help="passes per replay condition")
+    chk.add_argument("--concurrency", type=int, default=8, help="requests in flight (cold, warm and mixed passes)")
+    chk.add_argument("--order-sample", type=int, default=24,
+                     help="examples scored under every cyclic option order (0: no order test)")
+    chk.add_argument("--max-delta", type=float, default=0.0, help="largest |Δp| against the cold pass tolerated")
+    chk.add_argument("--report-dir", type=Path, default=None, help="write check.json here")
+
 
 def run(args: argparse.Namespace) -> int:
+    if args.calibrate_command == "check":
+        return check.run(args)
     return asyncio.run(_fit(args))
 
 
