@@ -43,9 +43,10 @@ DATA = Path(__file__).parents[1] / "examples" / "decisions"
 LADLE = str(Path(sys.executable).with_name("ladle"))
 
 
-def methods_for(options: list[str]) -> list[str]:
-    scaling = "platt" if len(options) == 2 else "vector"
-    return ["temperature", scaling, "isotonic", "contextual", "pride"]
+def methods_for(question: dict) -> list[str]:
+    if question["type"] == "yes_no":  # no option order to permute: no PriDe
+        return ["temperature", "platt", "isotonic", "contextual"]
+    return ["temperature", "vector", "isotonic", "contextual", "pride"]
 
 
 def tfidf_baseline(fit_inputs: list, fit_labels: np.ndarray, held_inputs: list) -> tuple[np.ndarray, float]:
@@ -90,7 +91,7 @@ def serving_cost(url: str, question: dict, head: str, inputs: list) -> dict:
         for i, text in enumerate(inputs):
             for kind in ("plain", "head") if i % 2 else ("head", "plain"):
                 q = {**question, "head": head} if kind == "head" else question
-                unique = f"{text} (ref {kind}-{i}-{time.time_ns()})"  # no cached prefix past the template
+                unique = f"[ref {kind}-{i}-{time.time_ns()}] {text}"  # a new input: only the template is cached
                 start = time.perf_counter()
                 client.post("/v1/decisions", json={"input": unique, "questions": [q]}).raise_for_status()
                 times[kind].append(time.perf_counter() - start)
@@ -107,7 +108,7 @@ def run_set(name: str, url_of_plain: str, work: Path) -> dict:
     common = ["--base-url", url_of_plain, "--data", str(DATA / f"{name}.fit.jsonl"),
               "--heldout", str(DATA / f"{name}.heldout.jsonl"), "--question", str(question_file)]
     rows: dict[str, dict] = {}
-    for method in methods_for(fit.options):
+    for method in methods_for(question):
         print(f"\n[{name}] calibrate fit --method {method}", flush=True)
         report, seconds = fit_with_cli(["calibrate", "fit", *common, "--method", method, "--concurrency", "8",
                                         "--out", str(work / f"{name}-{method}.json")], work / f"{name}-{method}")

@@ -20,13 +20,19 @@ METHODS = ("temperature", "platt", "vector", "isotonic", "contextual", "pride")
 FORMAT = 1  # version of the calibration file's layout
 
 
+def add_server_and_data_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags every labelled-data command shares (calibrate fit and check, heads fit)."""
+    parser.add_argument("--base-url", required=True, help="the server, e.g. http://127.0.0.1:8000")
+    parser.add_argument("--model", default=None, help="model name to send (default: the server's own)")
+    parser.add_argument("--data", type=Path, required=True, help='JSONL, one {"input": ..., "label": ...} a line')
+    parser.add_argument("--question", type=Path, required=True,
+                        help="one question in the /v1/decisions shape (JSON)")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="calibrate_command", metavar="{fit,check}", required=True)
     fit = sub.add_parser("fit", help="fit a calibration and report it on held-out examples")
-    fit.add_argument("--base-url", required=True, help="the server, e.g. http://127.0.0.1:8000")
-    fit.add_argument("--model", default=None, help="model name to send (default: the server's own)")
-    fit.add_argument("--data", type=Path, required=True, help='JSONL, one {"input": ..., "label": ...} a line')
-    fit.add_argument("--question", type=Path, required=True, help="one question in the /v1/decisions shape (JSON)")
+    add_server_and_data_arguments(fit)
     fit.add_argument("--method", choices=METHODS, default="temperature")
     fit.add_argument("--out", type=Path, required=True, help="the calibration file to write (JSON)")
     fit.add_argument("--heldout", type=Path, default=None,
@@ -40,10 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     chk = sub.add_parser("check", help="replay the labelled set (cold, warm, alone, batched, mixed with chat) "
                          "and shuffle the option order; exit 1 on any choice flip or |Δp| above --max-delta")
-    chk.add_argument("--base-url", required=True, help="the server, e.g. http://127.0.0.1:8000")
-    chk.add_argument("--model", default=None, help="model name to send (default: the server's own)")
-    chk.add_argument("--data", type=Path, required=True, help='JSONL, one {"input": ..., "label": ...} a line')
-    chk.add_argument("--question", type=Path, required=True, help="one question in the /v1/decisions shape (JSON)")
+    add_server_and_data_arguments(chk)
     chk.add_argument("--limit", type=int, default=None, help="use only the first N examples")
     chk.add_argument("--repeats", type=int, default=2, help="passes per replay condition")
     chk.add_argument("--concurrency", type=int, default=8, help="requests in flight (cold, warm and mixed passes)")
@@ -72,6 +75,9 @@ async def _fit(args: argparse.Namespace) -> int:
     fit_set, held = (data, read_labelled(args.heldout, question)) if args.heldout else split(data, args.seed)
     if args.method == "platt" and len(data.options) != 2:
         raise SystemExit("--method platt needs a two-option question (yes_no); use vector for more options")
+    if args.method == "pride" and question.get("type") == "yes_no":
+        raise SystemExit("--method pride permutes the options, and a yes_no question has no option order; "
+                         "use platt or temperature")
     print(f"{len(fit_set.inputs)} examples to fit, {len(held.inputs)} held out; options {data.options}")
     scored_held = await score_all(args.base_url, args.model, question, held.inputs, args.concurrency, "held out")
     calibrator = await _calibrator(args, question, fit_set)

@@ -7,7 +7,7 @@ import asyncio
 import json
 from pathlib import Path
 
-from ladle.calibrate.cli import split
+from ladle.calibrate.cli import add_server_and_data_arguments, split
 from ladle.calibrate.client import read_labelled
 from ladle.calibrate.report import evaluate, reliability_png
 from ladle.heads.fit import fit_head
@@ -22,10 +22,7 @@ DEFAULT_LAYERS = "-8"
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="heads_command", metavar="{fit}", required=True)
     fit = sub.add_parser("fit", help="fit a head on the model's hidden states and report it on held-out examples")
-    fit.add_argument("--base-url", required=True, help="a ladle server, e.g. http://127.0.0.1:8000")
-    fit.add_argument("--model", default=None, help="model name to send (default: the server's own)")
-    fit.add_argument("--data", type=Path, required=True, help='JSONL, one {"input": ..., "label": ...} a line')
-    fit.add_argument("--question", type=Path, required=True, help="one question in the /v1/decisions shape (JSON)")
+    add_server_and_data_arguments(fit)  # --base-url: a ladle server (it needs /v1/embeddings)
     fit.add_argument("--out", type=Path, required=True, help="HEAD.safetensors (HEAD.json is written beside it)")
     fit.add_argument("--heldout", type=Path, default=None,
                      help="held-out JSONL (default: a seeded quarter of --data, never used for fitting)")

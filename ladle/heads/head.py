@@ -38,7 +38,9 @@ class DecisionHead:
     def probabilities(self, features: np.ndarray) -> np.ndarray:
         """[n, hidden] (or [hidden]) states -> [n, labels] (or [labels]) probabilities."""
         x = (np.asarray(features, dtype=np.float64) - self.mean) / self.scale
-        z = x @ self.weight.T + self.bias
+        # elementwise, not a BLAS call: the server runs this beside the engine, and BLAS threads
+        # spinning after a call would take cores from the engine's next step
+        z = (x[..., None, :] * self.weight).sum(axis=-1) + self.bias
         z = z - z.max(axis=-1, keepdims=True)
         e = np.exp(z)
         return e / e.sum(axis=-1, keepdims=True)
@@ -46,7 +48,9 @@ class DecisionHead:
     def save(self, path: Path) -> None:
         from safetensors.numpy import save_file
 
-        save_file({"weight": self.weight, "bias": self.bias, "mean": self.mean, "scale": self.scale}, str(path))
+        tensors = {"weight": self.weight, "bias": self.bias, "mean": self.mean, "scale": self.scale}
+        # safetensors writes an array's memory as it lies, and scikit-learn's coefficients are column-major
+        save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(path))
         sidecar(path).write_text(json.dumps({
             "ladle_head": FORMAT, "model": self.model, "question_id": self.question_id, "labels": self.labels,
             "layer": self.layer, "pooling": self.pooling, "pool_from": self.pool_from,
