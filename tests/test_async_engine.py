@@ -24,7 +24,7 @@ class ScriptedEngine:
         self.config = SimpleNamespace(max_waiting_requests=max_waiting_requests, num_threads=None)
         self.tokenizer = None
         self.max_model_len = 100
-        self.model_config = SimpleNamespace(vocab_size=10)
+        self.model_config = SimpleNamespace(vocab_size=10, num_hidden_layers=2)
         self.model_path = "scripted"
         self.requests: dict[str, list] = {}  # id -> [generated, max_tokens]
         self.scheduler = SimpleNamespace(running=[], waiting=[], num_preemptions=0)

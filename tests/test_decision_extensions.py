@@ -11,9 +11,10 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
-from server_utils import MODEL, Server, ServerThread
+from server_utils import MODEL, Server, ServerThread, own_server
 
 from ladle.calibrate.methods import TemperatureScaling, VectorScaling
+from ladle.config import EngineConfig
 from ladle.decisions.extensions import Extensions
 from ladle.heads.head import DecisionHead
 from ladle.server.app import create_app
@@ -26,9 +27,10 @@ LAYER = -8  # counted from the end
 POOL_FROM = 8  # mean pooling from this token on
 
 
-def calibration_file(path: Path, calibrator, model: str = MODEL, labels: list[str] = TEAMS) -> str:
-    path.write_text(json.dumps({"ladle_calibration": 1, **calibrator.to_json(), "model": model,
-                                "question_id": "team", "labels": labels, "prompt_format_version": 1}))
+def calibration_file(path: Path, calibrator, model: str = MODEL, labels: list[str] = TEAMS,
+                     prompt_format_version: int = 1) -> str:
+    path.write_text(json.dumps({"ladle_calibration": 1, **calibrator.to_json(), "model": model, "question_id": "team",
+                                "labels": labels, "prompt_format_version": prompt_format_version}))
     return str(path)
 
 
@@ -41,8 +43,17 @@ def head_file(path: Path, hidden: int, model: str = MODEL) -> str:
 
 
 @pytest.fixture(scope="module")
-def ext_server(server: Server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    """The shared engine behind a second app that loaded calibrations and heads."""
+def plain_server() -> Iterator[Server]:
+    """A private engine: its prefix cache fills with these decisions' template heads, which
+    must not warm the shared server that other modules expect cold."""
+    with own_server(EngineConfig(num_kv_blocks=512)) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def ext_server(plain_server: Server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """The same engine behind a second app that loaded calibrations and heads."""
+    server = plain_server
     d = tmp_path_factory.mktemp("extensions")
     hidden = len(httpx.post(f"{server.url}/v1/embeddings", json={"input": "x"}).json()["data"][0]["embedding"])
     calibrations = [
@@ -50,6 +61,7 @@ def ext_server(server: Server, tmp_path_factory: pytest.TempPathFactory) -> Iter
         f"sales_bias={calibration_file(d / 'bias.json', VectorScaling([1.0] * 3, [0.0, 8.0, 0.0]))}",
         f"other_model={calibration_file(d / 'other.json', TemperatureScaling(2.0), model='another-model')}",
         f"yes_no={calibration_file(d / 'yn.json', TemperatureScaling(2.0), labels=['yes', 'no'])}",
+        f"format_2={calibration_file(d / 'v2.json', TemperatureScaling(2.0), prompt_format_version=2)}",
     ]
     heads = [f"router={head_file(d / 'router.safetensors', hidden)}",
              f"stale={head_file(d / 'stale.safetensors', hidden, model='another-model')}"]
@@ -132,6 +144,7 @@ def test_head_and_calibration_in_the_other_dialects(ext_server: Server) -> None:
     ({"calibration": "other_model"}, "questions[0].calibration", "another-model"),
     ({"head": "stale"}, "questions[0].head", "another-model"),
     ({"calibration": "yes_no"}, "questions[0].calibration", "options"),
+    ({"calibration": "format_2"}, "questions[0].calibration", "prompt format version 2"),
     ({"calibration": "hot", "head": "router"}, "questions[0].head", "not both"),
 ])
 def test_refusals_name_the_field(ext_server: Server, fields: dict, param: str, words: str) -> None:
@@ -150,6 +163,6 @@ def test_refusals_in_the_other_dialects_and_with_a_temperature(ext_server: Serve
     assert r.status_code == 400 and "temperature" in r.json()["error"]["message"]
 
 
-def test_a_server_without_extensions_refuses_the_fields(server: Server) -> None:
-    r = decide(server.url, head="router")
+def test_a_server_without_extensions_refuses_the_fields(plain_server: Server) -> None:
+    r = decide(plain_server.url, head="router")
     assert r.status_code == 400 and r.json()["error"]["param"] == "questions[0].head"
