@@ -432,12 +432,14 @@ def test_find_knee():
 def test_sweep_writes_json_and_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
     import matplotlib.image
 
-    # one request at a time, 10 ms + 7 x 5 ms = 45 ms each: about 22 req/s of capacity
+    # one request at a time, 10 ms + 7 x 5 ms = 45 ms each: about 22 req/s of capacity. 40 requests a
+    # step and a 250 ms TTFT target, so that one stall of this VM (a few hundred ms, seen in CI) spoils
+    # too few requests to move the knee, while past capacity the queue still grows well beyond it.
     app = FakeOpenAI(ttft=0.01, itl=0.005, capacity=1)
     with serve(app) as url:
-        rc = ladle_main(["bench", "sweep", "--base-url", url, "--model", "fake-model", "--num-prompts", "20",
+        rc = ladle_main(["bench", "sweep", "--base-url", url, "--model", "fake-model", "--num-prompts", "40",
                          "--random-input-len", "16", "--random-output-len", "8", "--loads", "8,16,32,64,128",
-                         "--burstiness", "50", "--goodput", "ttft:150", "tpot:50", "--result-dir", str(tmp_path),
+                         "--burstiness", "50", "--goodput", "ttft:250", "tpot:50", "--result-dir", str(tmp_path),
                          "--result-filename", "sweep.json", "--disable-tqdm"])
     assert rc == 0
     sweep = json.loads((tmp_path / "sweep.json").read_text())
