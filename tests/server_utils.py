@@ -94,10 +94,11 @@ class Server:
 
 
 @contextmanager
-def own_server(config: EngineConfig) -> Iterator[Server]:
-    """A private engine and server with these flags (the default model loads in ~2 s), stopped on exit."""
+def own_server(config: EngineConfig, **app_args) -> Iterator[Server]:
+    """A private engine and server with these flags (the default model loads in ~2 s), stopped on exit;
+    app_args go to create_app."""
     engine = AsyncEngine(LLMEngine(config))
-    thread = ServerThread(create_app(engine, MODEL)).start()
+    thread = ServerThread(create_app(engine, MODEL, **app_args)).start()
     try:
         yield Server(thread.url, engine)
     finally:

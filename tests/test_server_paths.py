@@ -41,6 +41,16 @@ def test_cli_aliases_parse_into_the_engine_config() -> None:
         parse("--schedule-policy", "random")
 
 
+def test_tool_call_flags() -> None:
+    assert serve_cli.auto_tool_call_parser(parse()) is None
+    assert serve_cli.auto_tool_call_parser(parse("--tool-call-parser", "hermes")) is None  # "auto" still off
+    args = parse("--enable-auto-tool-choice", "--tool-call-parser", "llama3_json")
+    assert serve_cli.auto_tool_call_parser(args) == "llama3_json"
+    assert serve_cli.run(parse("--enable-auto-tool-choice")) == 2  # refused before anything loads
+    with pytest.raises(SystemExit):
+        parse("--tool-call-parser", "mistral")
+
+
 def test_deterministic_and_schedule_policy_flags_take_effect() -> None:
     args = parse("--deterministic", "--schedule-policy", "priority", "--max-num-seqs", "1", "--num-kv-blocks", "64")
     with own_server(engine_config_from_args(args)) as server, sdk(server) as client:

@@ -203,6 +203,8 @@ class AsyncEngine:
         waiting) when `max_waiting_requests` requests are already waiting.
         """
         self.start()
+        if params.structured_outputs is not None:  # compiled here, so the engine thread meets a cache hit
+            await asyncio.to_thread(self.engine.grammars.compile, params.structured_outputs)
         loop = asyncio.get_running_loop()
         stream = RequestStream(request_id, self, loop)
         accepted = loop.create_future()

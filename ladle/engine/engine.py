@@ -28,6 +28,8 @@ from ladle.model.loader import load_weights, resolve_model_path
 from ladle.engine.runner import ModelRunner
 from ladle.engine.sampler import Sampler, token_logprob
 from ladle.model.tokenizer import IncrementalDetokenizer, Tokenizer
+from ladle.structured.grammar import GrammarCompiler
+from ladle.structured.matcher import GrammarState
 
 log = logging.getLogger("ladle")
 
@@ -69,6 +71,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model_config, load_weights(folder, self.dtype.dtype), num_blocks,
                                   config.block_size, self.kv_dtype)
         self.sampler = Sampler(config.seed)
+        self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids))
         log.info("matmuls: decode on %s, prefill on %s (measured: %s)", self.runner.model.routing.decode,
                  self.runner.model.routing.prefill, self.runner.model.routing.measured)
         self.requests: dict[str, list[Sequence]] = {}
@@ -103,7 +106,10 @@ class LLMEngine:
         if max_tokens != params.max_tokens:
             params = replace(params, max_tokens=max_tokens)
         arrival = time.time() if arrival_time is None else arrival_time
+        grammar = self.grammars.compile(params.structured_outputs) if params.structured_outputs else None
         seqs = [self._new_sequence(request_id, i, ids, params, priority, arrival) for i in range(params.n)]
+        for seq in seqs if grammar is not None else ():
+            seq.grammar = GrammarState(grammar)
         self.requests[request_id] = seqs
         self.stats.prompt_tokens += len(ids) * params.n
         for seq in seqs:
@@ -201,6 +207,8 @@ class LLMEngine:
         else:
             stop_reason = seq.text.append(token)
             finish = "stop" if stop_reason is not None else None
+        if seq.grammar is not None and finish is None and self._grammar_done(seq, token):
+            finish = "stop"
         if finish is None and (seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len):
             finish = "length"
         if finish:
@@ -208,6 +216,15 @@ class LLMEngine:
             self.scheduler.finish(seq)
         return CompletionDelta(index=seq.index, token_ids=[token], text=seq.text.release(finish is not None),
                                logprobs=[lp] if lp is not None else [], finish_reason=finish, stop_reason=stop_reason)
+
+    @staticmethod
+    def _grammar_done(seq: Sequence, token: int) -> bool:
+        """Advance the sequence's grammar; it is done once complete (it accepted a stop token, even
+        under ignore_eos) or if it refused the token (only when every token was masked)."""
+        if not seq.grammar.accept(token):
+            log.warning("request %s: grammar refused token %d; finishing", seq.request_id, token)
+            return True
+        return seq.grammar.is_terminated
 
     def _finish_scoring(self, seq: Sequence, logits: torch.Tensor, now: float) -> CompletionDelta:
         p = seq.params

@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     import torch
 
     from ladle.engine.stop import OutputTextTracker
+    from ladle.structured.matcher import GrammarState
 
 
 class SeqStatus(enum.Enum):
@@ -63,6 +64,7 @@ class Sequence:
     # of a prompt another sequence computes in the same step.
     in_step_copy: tuple[int, int, int] | None = None
     generator: "torch.Generator | None" = None
+    grammar: "GrammarState | None" = None  # params.structured_outputs: where the output is in it
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None
     text: "OutputTextTracker | None" = None

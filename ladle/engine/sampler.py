@@ -1,7 +1,9 @@
 """Turns next-token logits into tokens: penalties, temperature, min-p, top-k/top-p, seeds.
 
 A seeded request draws from its own generator, so its tokens do not depend on what
-else shares the batch. Logprobs are those of the raw model distribution, as in vLLM.
+else shares the batch. Logprobs are those of the model distribution before penalties and
+sampling settings, as in vLLM; a constrained row's are after its grammar mask (vLLM V1
+masks before its sampler too), so they are renormalised over what the grammar allows.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from ladle.engine.request import Sequence, TokenLogprob
+from ladle.structured.matcher import apply_grammar_masks
 
 
 def top_logprobs(logprobs: torch.Tensor, k: int) -> list[tuple[int, float]]:
@@ -28,6 +31,10 @@ class Sampler:
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[tuple[int, TokenLogprob | None]]:
+        constrained = [i for i, s in enumerate(seqs) if s.grammar is not None]
+        if constrained:
+            logits = logits.float().contiguous()
+            apply_grammar_masks(logits, constrained, [seqs[i].grammar for i in constrained])
         raw = None
         if any(s.params.logprobs is not None for s in seqs):
             raw = torch.log_softmax(logits.float(), dim=-1)
@@ -43,8 +50,10 @@ class Sampler:
     def _sample_row(self, x: torch.Tensor, seq: Sequence) -> int:
         p = seq.params
         if p.needs_penalties or seq.num_output_tokens < p.min_tokens:
-            x = x.clone()
+            unpenalised, x = x, x.clone()
             self._penalise(x, seq)
+            if seq.grammar is not None and bool(torch.isneginf(x).all()):
+                x = unpenalised  # min_tokens banned the only tokens the grammar allows (its end)
         if p.greedy:
             return int(x.argmax())
         # vLLM V1's order: temperature, min_p over the whole vocabulary, top_k, then top_p over

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ladle.errors import InvalidRequestError
+from ladle.structured.spec import StructuredOutputsParams
 
 _GREEDY_EPS = 1e-5
 POOLINGS = ("last", "mean")
@@ -41,6 +42,8 @@ class SamplingParams:
     hidden_state_layers: list[int] | None = None
     hidden_state_pooling: str = "last"
     hidden_state_start: int = 0
+    # Constrained decoding: every sampled token keeps the output inside this grammar.
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -70,6 +73,8 @@ class SamplingParams:
              "must not be empty"),
             (self.hidden_state_pooling in POOLINGS, "hidden_state_pooling", f"must be one of {POOLINGS}"),
             (self.hidden_state_start >= 0, "hidden_state_start", "must be non-negative"),
+            (self.structured_outputs is None or not self.is_scoring, "structured_outputs",
+             "cannot constrain a prefill-only (scoring) request"),
         ]
         for ok, name, why in checks:
             if not ok:

@@ -20,9 +20,11 @@ DEFAULT_MAX_BODY_BYTES = 16 * 2**20
 
 
 def create_app(engine: AsyncEngine, served_model_name: str, api_key: str | None = None,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, decision_extensions: Extensions | None = None) -> FastAPI:
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, decision_extensions: Extensions | None = None,
+               tool_call_parser: str | None = None) -> FastAPI:
     """The app starts the engine thread on startup; stopping it is the caller's (`engine.shutdown()`),
-    so one engine can outlive several apps."""
+    so one engine can outlive several apps. tool_call_parser: parse tool calls out of replies to
+    tool_choice "auto" (vLLM's --enable-auto-tool-choice --tool-call-parser NAME); None refuses "auto"."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -35,7 +37,8 @@ def create_app(engine: AsyncEngine, served_model_name: str, api_key: str | None 
 
     app = FastAPI(title="ladle", version=__version__, lifespan=lifespan)
     app.state.ctx = ctx = ServerContext(engine, served_model_name, model_root=str(engine.engine.model_path),
-                                        decision_extensions=decision_extensions or Extensions(served_model_name))
+                                        decision_extensions=decision_extensions or Extensions(served_model_name),
+                                        tool_call_parser=tool_call_parser)
     install_error_handlers(app)
     app.include_router(openai_routes.router)
     app.include_router(utility_routes.router)

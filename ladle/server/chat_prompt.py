@@ -1,4 +1,8 @@
-"""OpenAI chat messages -> prompt text, through the model's own chat template."""
+"""OpenAI chat messages -> prompt text, through the model's own chat template.
+
+Tools and tool messages go through the template when it knows tools, else through
+ladle.tools.prompt's fallback convention (the one the `hermes` parser reads).
+"""
 
 from __future__ import annotations
 
@@ -9,25 +13,24 @@ import jinja2
 from ladle.errors import InvalidRequestError
 from ladle.model.tokenizer import Tokenizer
 from ladle.server.protocol import ChatMessage
+from ladle.tools import prompt as tool_prompt
 
-ROLES = ("system", "user", "assistant", "developer")
+ROLES = ("system", "user", "assistant", "developer", "tool")
 _RESERVED = {"messages", "add_generation_prompt"}
 
 
 def chat_prompt(tokenizer: Tokenizer, messages: list[ChatMessage], add_generation_prompt: bool = True,
-                continue_final_message: bool = False, template_kwargs: dict[str, Any] | None = None) -> str:
+                continue_final_message: bool = False, template_kwargs: dict[str, Any] | None = None,
+                tools: list[dict[str, Any]] | None = None) -> str:
     """Render the conversation; raises InvalidRequestError naming the message at fault."""
-    rendered_messages = []
-    for i, m in enumerate(messages):
-        if m.role not in ROLES:
-            raise InvalidRequestError(f"role {m.role!r} is not supported; use system, user or assistant",
-                                      param=f"messages[{i}].role")
-        # "developer" is what newer OpenAI clients call the system message
-        msg = {"role": "system" if m.role == "developer" else m.role, "content": m.text(f"messages[{i}]")}
-        if m.name:
-            msg["name"] = m.name
-        rendered_messages.append(msg)
+    rendered_messages = [_message_dict(i, m) for i, m in enumerate(messages)]
     kwargs = dict(template_kwargs or {})
+    if tool_prompt.template_knows_tools(tokenizer.chat_template):
+        rendered_messages = tool_prompt.for_template(rendered_messages)
+        if tools:
+            kwargs["tools"] = tools
+    elif tools or any(m["role"] == "tool" or m.get("tool_calls") for m in rendered_messages):
+        rendered_messages = tool_prompt.fallback(rendered_messages, tools)
     if _RESERVED & kwargs.keys():
         raise InvalidRequestError(f"chat_template_kwargs may not set {sorted(_RESERVED & kwargs.keys())}",
                                   param="chat_template_kwargs")
@@ -41,6 +44,23 @@ def chat_prompt(tokenizer: Tokenizer, messages: list[ChatMessage], add_generatio
     if continue_final_message:
         text = _cut_after_final_message(text, rendered_messages[-1])
     return text
+
+
+def _message_dict(i: int, m: ChatMessage) -> dict[str, Any]:
+    if m.role not in ROLES:
+        raise InvalidRequestError(f"role {m.role!r} is not supported; use system, user, assistant or tool",
+                                  param=f"messages[{i}].role")
+    if m.tool_calls and m.role != "assistant":
+        raise InvalidRequestError("only assistant messages carry tool_calls", param=f"messages[{i}].tool_calls")
+    # "developer" is what newer OpenAI clients call the system message
+    msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.text(f"messages[{i}]")}
+    if m.name:
+        msg["name"] = m.name
+    if m.tool_calls:
+        msg["tool_calls"] = [c.model_dump(exclude_none=True) for c in m.tool_calls]
+    if m.tool_call_id:
+        msg["tool_call_id"] = m.tool_call_id
+    return msg
 
 
 def _cut_after_final_message(text: str, final: dict[str, Any]) -> str:

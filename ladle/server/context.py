@@ -24,6 +24,7 @@ class ServerContext:
     model_name: str
     model_root: str | None = None
     decision_extensions: Extensions | None = None  # calibrations and heads questions may name
+    tool_call_parser: str | None = None  # tool_choice "auto" parses replies with it; None: "auto" refused
     created: int = field(default_factory=lambda: int(time.time()))
     names: TokenNames = field(init=False)
     metrics: Metrics = field(init=False)

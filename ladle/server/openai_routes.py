@@ -15,11 +15,13 @@ from ladle.engine.async_engine import RequestStream
 from ladle.engine.sampling_params import SamplingParams
 from ladle.errors import InvalidRequestError
 from ladle.server.chat_prompt import chat_prompt
+from ladle.server.chat_tools import ChoiceDeltas, assistant_message
+from ladle.server.constraints import ToolPlan, tool_plan_of
 from ladle.server.context import ServerContext, get_context
 from ladle.server.errors import validation_error
 from ladle.server.logprobs import CompletionLogprobsBuilder, chat_logprobs
 from ladle.server.protocol import (
-    AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
+    ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
     ChatCompletionResponse, CompletionChoice, CompletionRequest, CompletionResponse, DeltaMessage, Usage, random_id,
 )
 from ladle.server.streaming import (
@@ -57,11 +59,18 @@ def _renamed(e: InvalidRequestError, renames: dict[str, str]) -> InvalidRequestE
     return InvalidRequestError(message, new, e.code)
 
 
-def _sampling_params(ctx: ServerContext, req: ChatCompletionRequest | CompletionRequest) -> SamplingParams:
+def _sampling_params(ctx: ServerContext, req: ChatCompletionRequest | CompletionRequest,
+                     tools: ToolPlan | None = None) -> SamplingParams:
     try:
         params = req.to_sampling_params()
     except InvalidRequestError as e:
         raise _renamed(e, _renames(req)) from None
+    if tools is not None and tools.grammar is not None:
+        if params.structured_outputs is not None:
+            raise InvalidRequestError(f"{params.structured_outputs.field.split('.')[0]} cannot be combined with "
+                                      f'tool_choice "{tools.mode}": the tool call is the output',
+                                      param=params.structured_outputs.field.split(".")[0])
+        params.structured_outputs = tools.grammar
     vocab = ctx.engine.vocab_size
     if any(not 0 <= t < vocab for t in params.stop_token_ids):
         raise InvalidRequestError(f"stop_token_ids must be in [0, {vocab})", param="stop_token_ids")
@@ -85,33 +94,36 @@ async def chat_completions(request: Request) -> Response:
     req = await parse_body(request, ChatCompletionRequest)
     ctx.check_model(req.model)
     req.check_supported()
-    params = _sampling_params(ctx, req)
+    tools = tool_plan_of(req, ctx.tool_call_parser)
+    params = _sampling_params(ctx, req, tools)
     prompt = chat_prompt(ctx.engine.tokenizer, req.messages, req.add_generation_prompt,
-                         req.continue_final_message, req.chat_template_kwargs)
+                         req.continue_final_message, req.chat_template_kwargs, tools.tools if tools else None)
     ids = ctx.engine.tokenizer.encode(prompt)
     request_id = random_id("chatcmpl")
     stream = await _submit(ctx, request_id, ids, params, req.priority, _renames(req))
     if req.stream:
-        return sse_response(_chat_events(ctx, req, stream))
+        return sse_response(_chat_events(ctx, req, stream, tools))
     try:
         result, cached = await unless_disconnected(request, collect(stream, req.n))
     except ClientDisconnected:
         return Response(status_code=499)
-    choices = [
-        ChatChoice(index=c.index, message=AssistantMessage(content=c.text), finish_reason=c.finish_reason,
-                   stop_reason=c.stop_reason, logprobs=chat_logprobs(ctx.names, c.logprobs) if req.logprobs else None)
-        for c in result.outputs
-    ]
+    choices = []
+    for c in result.outputs:
+        message, finish_reason = assistant_message(tools, c.text, c.finish_reason)
+        choices.append(ChatChoice(index=c.index, message=message, finish_reason=finish_reason, stop_reason=c.stop_reason,
+                                  logprobs=chat_logprobs(ctx.names, c.logprobs) if req.logprobs else None))
     usage = Usage.of(len(ids), sum(len(c.token_ids) for c in result.outputs), cached)
     body = ChatCompletionResponse(id=request_id, model=ctx.model_name, choices=choices, usage=usage)
     return json_response(body)
 
 
-async def _chat_events(ctx: ServerContext, req: ChatCompletionRequest, stream: RequestStream) -> AsyncIterator[str]:
+async def _chat_events(ctx: ServerContext, req: ChatCompletionRequest, stream: RequestStream,
+                       tools: ToolPlan | None) -> AsyncIterator[str]:
     created = int(time.time())
     exclude = None if req.include_usage else {"usage"}
     num_prompt_tokens = len(stream.prompt_token_ids)
     generated: dict[int, int] = {}  # completion tokens so far, per choice
+    choice_deltas: dict[int, ChoiceDeltas] = {}
 
     def event(choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
         if usage is None and req.continuous_usage:  # vLLM: the usage of the chunk's choice so far
@@ -127,14 +139,19 @@ async def _chat_events(ctx: ServerContext, req: ChatCompletionRequest, stream: R
             for d in out.deltas:
                 if d.index not in generated:  # the first chunk of each choice carries the role
                     generated[d.index] = 0
+                    choice_deltas[d.index] = ChoiceDeltas(tools)
                     yield event([ChatChunkChoice(index=d.index, delta=DeltaMessage(role="assistant", content=""))])
                 generated[d.index] += len(d.token_ids)
                 logprobs = chat_logprobs(ctx.names, d.logprobs) if req.logprobs and d.logprobs else None
-                if not (d.text or d.finish_reason or logprobs):
-                    continue  # text held back (stop strings, split characters): nothing to say yet
-                delta = DeltaMessage(content=d.text) if d.text or logprobs else DeltaMessage()
+                deltas = choice_deltas[d.index]
+                delta = deltas.delta(d.text, last=d.finish_reason is not None)
+                if not (delta or d.finish_reason or logprobs):
+                    continue  # text held back (stop strings, split characters, tags): nothing to say yet
+                if delta is None:
+                    delta = DeltaMessage(content="") if logprobs else DeltaMessage()
                 yield event([ChatChunkChoice(index=d.index, delta=delta, logprobs=logprobs,
-                                             finish_reason=d.finish_reason, stop_reason=d.stop_reason)])
+                                             finish_reason=deltas.finish_reason(d.finish_reason),
+                                             stop_reason=d.stop_reason)])
         if req.include_usage:
             yield event([], Usage.of(num_prompt_tokens, sum(generated.values()), cached))
     except Exception as e:

@@ -14,6 +14,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 from ladle.engine.sampling_params import SamplingParams
 from ladle.errors import InvalidRequestError
+from ladle.server.constraints import (
+    NamedToolChoice, ResponseFormat, StructuredOutputsField, ToolDefinition, structured_outputs_of,
+)
 
 MAX_N = 128
 MAX_LOGPROBS = 20
@@ -59,6 +62,14 @@ class _Sampling(_Request):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     priority: int = 0
+    # output constraints (ladle.server.constraints): at most one of these
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -77,6 +88,9 @@ class _Sampling(_Request):
             raise InvalidRequestError("include_stop_str_in_output is not supported", param="include_stop_str_in_output")
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError("stream_options is only allowed when stream is true", param="stream_options")
+        if self.guided_decoding_backend not in (None, "auto", "xgrammar"):
+            raise InvalidRequestError("ladle's only structured-output backend is xgrammar",
+                                      param="guided_decoding_backend")
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         prompt_logprobs: int | None = None) -> SamplingParams:
@@ -91,6 +105,7 @@ class _Sampling(_Request):
             stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
             stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
+            structured_outputs=structured_outputs_of(self),
         )
 
 
@@ -102,10 +117,23 @@ class TextPart(_Request):
     text: str | None = None
 
 
+class FunctionCall(_Request):
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCallMessage(_Request):
+    id: str | None = None
+    type: str = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Request):
     role: str
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallMessage] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
     def text(self, where: str) -> str:
         """The content as one string (text parts joined by newlines, as vLLM does)."""
@@ -125,9 +153,9 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     # vLLM extras
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -135,10 +163,6 @@ class ChatCompletionRequest(_Sampling):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.tools and self.tool_choice != "none":
-            raise InvalidRequestError("tools are not supported", param="tools")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise InvalidRequestError("only response_format type 'text' is supported", param="response_format")
         if self.top_logprobs and not self.logprobs:
             raise InvalidRequestError("top_logprobs requires logprobs to be true", param="top_logprobs")
         if self.continue_final_message and self.add_generation_prompt:
@@ -249,9 +273,43 @@ class CompletionLogprobs(_Response):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class FunctionCallOut(_Response):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(_Response):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class AssistantMessage(_Response):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCallOut] = Field(default_factory=list)
+
+
+class FunctionCallDelta(_Response):
+    name: str | None = None
+    arguments: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler: Any) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ToolCallDelta(_Response):
+    """A call's first delta carries id, type and name (arguments ""); later ones only arguments."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler: Any) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
 
 
 class ChatChoice(_Response):
@@ -274,6 +332,7 @@ class ChatCompletionResponse(_Response):
 class DeltaMessage(_Response):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_unset(self, handler: Any) -> dict[str, Any]:

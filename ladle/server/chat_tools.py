@@ -1,0 +1,66 @@
+"""A chat choice's text as the API returns it: content, or content and tool calls."""
+
+from __future__ import annotations
+
+from ladle.server.constraints import ToolPlan
+from ladle.server.protocol import (
+    AssistantMessage, DeltaMessage, FunctionCallDelta, FunctionCallOut, ToolCallDelta, ToolCallOut,
+)
+from ladle.tools.parsers import ParserEvents, ToolParser
+
+
+def assistant_message(plan: ToolPlan | None, text: str, finish_reason: str | None) -> tuple[AssistantMessage, str | None]:
+    """The whole reply as a message, and its finish reason ("tool_calls" when it made calls)."""
+    parser = plan.new_parser() if plan is not None else None
+    if parser is None:
+        return AssistantMessage(content=text), finish_reason
+    parser.feed(text)
+    parser.finish()
+    calls = parser.tool_calls()
+    if not calls:  # no call, or one that does not parse: the reply is text, as vLLM answers
+        return AssistantMessage(content=text), finish_reason
+    if not plan.parallel:
+        calls = calls[:1]
+    out = [ToolCallOut(id=c.id, function=FunctionCallOut(name=c.name, arguments=c.arguments)) for c in calls]
+    content = parser.content.strip() or None
+    return AssistantMessage(content=content, tool_calls=out), _tool_finish(finish_reason)
+
+
+class ChoiceDeltas:
+    """One choice's stream: text deltas in, delta messages out (content and tool-call deltas)."""
+
+    def __init__(self, plan: ToolPlan | None):
+        self._parser: ToolParser | None = plan.new_parser() if plan is not None else None
+        self._max_calls = None if plan is None or plan.parallel else 1
+        self.made_calls = False
+
+    def delta(self, text: str, last: bool) -> DeltaMessage | None:
+        """The delta for this text (None when it released nothing yet)."""
+        if self._parser is None:
+            return DeltaMessage(content=text) if text else None
+        events = self._parser.feed(text) if text else ParserEvents()
+        if last:
+            rest = self._parser.finish()
+            events.content += rest.content
+            events.started += rest.started
+            events.arguments += rest.arguments
+        calls = self._tool_call_deltas(events)
+        if not (events.content or calls):
+            return None
+        return DeltaMessage(content=events.content or None, tool_calls=calls or None)
+
+    def finish_reason(self, finish_reason: str | None) -> str | None:
+        return _tool_finish(finish_reason) if self.made_calls else finish_reason
+
+    def _tool_call_deltas(self, events: ParserEvents) -> list[ToolCallDelta]:
+        allowed = (lambda i: True) if self._max_calls is None else (lambda i: i < self._max_calls)
+        deltas = [ToolCallDelta(index=i, id=call_id, type="function", function=FunctionCallDelta(name=name, arguments=""))
+                  for i, call_id, name in events.started if allowed(i)]
+        deltas += [ToolCallDelta(index=i, function=FunctionCallDelta(arguments=text))
+                   for i, text in events.arguments if allowed(i)]
+        self.made_calls = self.made_calls or bool(deltas)
+        return deltas
+
+
+def _tool_finish(finish_reason: str | None) -> str | None:
+    return "tool_calls" if finish_reason == "stop" else finish_reason

@@ -1,0 +1,1 @@
+"""Structured outputs: grammars compiled to token masks (xgrammar), one matcher per sequence."""
