@@ -7,6 +7,7 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+import openai
 import pytest
 import torch
 from server_utils import MODEL, NUM_KV_BLOCKS, Server, ServerThread
@@ -74,3 +75,11 @@ def server(async_engine: AsyncEngine) -> Iterator[Server]:
     thread = ServerThread(create_app(async_engine, MODEL)).start()
     yield Server(thread.url, async_engine)
     thread.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server: Server) -> Iterator[openai.OpenAI]:
+    """The `openai` SDK against the shared server."""
+    c = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=300)
+    yield c
+    c.close()

@@ -13,8 +13,10 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
+import openai
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -25,6 +27,9 @@ from ladle.server.app import create_app
 
 MODEL = "SmolLM2-135M-Instruct"
 NUM_KV_BLOCKS = 1024
+GREEDY = dict(temperature=0.0)
+HELLO = [{"role": "user", "content": "Say hello in one short sentence."}]
+EXAMPLES = Path(__file__).parents[1] / "examples" / "decisions"  # labelled sets and their questions
 
 
 class ServerThread:
@@ -110,3 +115,17 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def labelled_set_args(server: Server, name: str = "tickets", heldout: bool = True) -> list[str]:
+    """--base-url, --data (the fit split), --heldout and --question of an example labelled set, as
+    `ladle calibrate` and `ladle heads` take them."""
+    args = ["--base-url", server.url, "--data", str(EXAMPLES / f"{name}.fit.jsonl")]
+    if heldout:
+        args += ["--heldout", str(EXAMPLES / f"{name}.heldout.jsonl")]
+    return args + ["--question", str(EXAMPLES / f"{name}.question.json")]
+
+
+def chat(client: openai.OpenAI, messages: list[dict] = HELLO, **kw):
+    """A chat completion through the SDK: greedy, 16 tokens, unless kw says otherwise."""
+    return client.chat.completions.create(model=MODEL, messages=messages, **{"max_tokens": 16, **GREEDY, **kw})

@@ -9,14 +9,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from server_utils import Server, own_server
+from server_utils import Server, labelled_set_args, own_server
 
 from ladle.calibrate.check import CONDITIONS, compare, order_summary
 from ladle.calibrate.client import Scored
 from ladle.cli import main
 from ladle.config import EngineConfig
 
-DATA = Path(__file__).parents[1] / "examples" / "decisions"
 
 
 @pytest.fixture(scope="module")
@@ -27,8 +26,7 @@ def server() -> Iterator[Server]:
 
 def test_replay_is_bit_identical_and_order_moves_answers(server: Server, tmp_path: Path,
                                                          capsys: pytest.CaptureFixture[str]) -> None:
-    code = main(["calibrate", "check", "--base-url", server.url, "--data", str(DATA / "tickets.fit.jsonl"),
-                 "--question", str(DATA / "tickets.question.json"), "--limit", "40", "--order-sample", "8",
+    code = main(["calibrate", "check", *labelled_set_args(server, heldout=False), "--limit", "40", "--order-sample", "8",
                  "--repeats", "2", "--report-dir", str(tmp_path)])
     printed = capsys.readouterr().out
     assert code == 0, printed

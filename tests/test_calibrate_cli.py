@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from server_utils import Server, own_server
+from server_utils import EXAMPLES, Server, labelled_set_args, own_server
 
 from ladle.calibrate import methods
 from ladle.calibrate.cli import split
@@ -17,7 +17,6 @@ from ladle.calibrate.client import read_labelled
 from ladle.cli import main
 from ladle.config import EngineConfig
 
-DATA = Path(__file__).parents[1] / "examples" / "decisions"
 
 
 @pytest.fixture(scope="module")
@@ -28,9 +27,7 @@ def server() -> Iterator[Server]:
 
 def test_temperature_fit_halves_held_out_ece(server: Server, tmp_path: Path) -> None:
     out, reports = tmp_path / "team.json", tmp_path / "report"
-    code = main(["calibrate", "fit", "--base-url", server.url, "--data", str(DATA / "tickets.fit.jsonl"),
-                 "--heldout", str(DATA / "tickets.heldout.jsonl"), "--question", str(DATA / "tickets.question.json"),
-                 "--method", "temperature", "--out", str(out), "--report-dir", str(reports), "--concurrency", "8"])
+    code = main(["calibrate", "fit", *labelled_set_args(server), "--method", "temperature", "--out", str(out), "--report-dir", str(reports), "--concurrency", "8"])
     assert code == 0
     report = json.loads((reports / "report.json").read_text())
     before, after = report["before"], report["after"]
@@ -48,8 +45,8 @@ def test_temperature_fit_halves_held_out_ece(server: Server, tmp_path: Path) -> 
 
 
 def test_split_is_seeded_and_disjoint() -> None:
-    question = json.loads((DATA / "tickets.question.json").read_text())
-    data = read_labelled(DATA / "tickets.fit.jsonl", question)
+    question = json.loads((EXAMPLES / "tickets.question.json").read_text())
+    data = read_labelled(EXAMPLES / "tickets.fit.jsonl", question)
     fit, held = split(data, seed=3)
     again, _ = split(data, seed=3)
     assert len(held.inputs) == 56 and len(fit.inputs) == 168 and fit.inputs == again.inputs
@@ -58,7 +55,7 @@ def test_split_is_seeded_and_disjoint() -> None:
 
 
 def test_a_label_outside_the_options_is_refused_with_its_line(tmp_path: Path) -> None:
-    question = json.loads((DATA / "tickets.question.json").read_text())
+    question = json.loads((EXAMPLES / "tickets.question.json").read_text())
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"input": "a", "label": "billing"}\n{"input": "b", "label": "legal"}\n')
     with pytest.raises(ValueError, match=r"bad.jsonl:2: label 'legal'"):

@@ -4,7 +4,7 @@ import json
 
 import numpy as np
 import pytest
-from scipy.special import log_softmax, softmax
+from scipy.special import softmax
 
 from ladle.calibrate import methods
 from ladle.calibrate.metrics import accuracy, brier, confusion_matrix, ece, ece_equal_mass, ece_equal_width, nll

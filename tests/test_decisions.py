@@ -261,13 +261,6 @@ def test_score_refusals(server: Server, body: dict, param: str) -> None:
 # -- the OpenAI dialect -----------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def client(server: Server) -> openai.OpenAI:
-    c = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=120)
-    yield c
-    c.close()
-
-
 def test_openai_sdk_decisions_create(client: openai.OpenAI) -> None:
     d = client.decisions.create(
         model=MODEL, input=TICKET, prompt_cache_key="tickets", safety_identifier="user-1",

@@ -166,7 +166,7 @@ def test_sliding_window_models_are_refused(tmp_path: Path, smollm2_dir: Path, ki
     folder = build_tiny_model(kind, tmp_path / kind, smollm2_dir, **overrides)
     if kind != "mistral":  # transformers itself slides some layer of these (Mistral slides every layer)
         assert "sliding_attention" in AutoConfig.from_pretrained(folder).layer_types
-    with pytest.raises(ValueError, match=rf"sliding_window=8\b.*max_position_embeddings=2048") as err:
+    with pytest.raises(ValueError, match=r"sliding_window=8\b.*max_position_embeddings=2048") as err:
         ModelConfig.from_folder(folder)
     assert str(folder) in str(err.value)
     with pytest.raises(ValueError, match="sliding_window=8"):

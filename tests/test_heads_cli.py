@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
-from server_utils import MODEL, Server, ServerThread, own_server
+from server_utils import EXAMPLES, MODEL, Server, ServerThread, labelled_set_args, own_server
 
 from ladle.calibrate.client import read_labelled
 from ladle.cli import main
@@ -19,7 +19,6 @@ from ladle.config import EngineConfig
 from ladle.decisions.extensions import Extensions
 from ladle.server.app import create_app
 
-DATA = Path(__file__).parents[1] / "examples" / "decisions"
 
 
 @pytest.fixture(scope="module")
@@ -30,9 +29,7 @@ def server() -> Iterator[Server]:
 
 def test_fitted_head_served_beats_the_zero_shot_decision(server: Server, tmp_path: Path) -> None:
     head, reports = tmp_path / "team.safetensors", tmp_path / "report"
-    code = main(["heads", "fit", "--base-url", server.url, "--data", str(DATA / "tickets.fit.jsonl"),
-                 "--heldout", str(DATA / "tickets.heldout.jsonl"), "--question", str(DATA / "tickets.question.json"),
-                 "--out", str(head), "--report-dir", str(reports), "--concurrency", "8"])
+    code = main(["heads", "fit", *labelled_set_args(server), "--out", str(head), "--report-dir", str(reports), "--concurrency", "8"])
     assert code == 0
     report = json.loads((reports / "report.json").read_text())
     sidecar = json.loads(head.with_suffix(".json").read_text())
@@ -41,8 +38,8 @@ def test_fitted_head_served_beats_the_zero_shot_decision(server: Server, tmp_pat
     assert report["after"]["accuracy"] >= report["before"]["accuracy"] + 0.3
     assert report["after"]["ece"] < report["before"]["ece"]
 
-    question = json.loads((DATA / "tickets.question.json").read_text())
-    held = read_labelled(DATA / "tickets.heldout.jsonl", question)
+    question = json.loads((EXAMPLES / "tickets.question.json").read_text())
+    held = read_labelled(EXAMPLES / "tickets.heldout.jsonl", question)
     extensions = Extensions.load(MODEL, [], [f"team={head}"])
     thread = ServerThread(create_app(server.engine, MODEL, decision_extensions=extensions)).start()
     try:

@@ -1,9 +1,8 @@
-"""The OpenAI-compatible server, driven by the real `openai` SDK (and raw HTTP where the SDK hides things)."""
+"""The OpenAI-compatible server, driven by the real `openai` SDK (and raw HTTP where the SDK hides things);
+streaming, concurrency and disconnects are in test_streaming.py."""
 
 from __future__ import annotations
 
-import asyncio
-import http.client
 import json
 import os
 import signal
@@ -14,26 +13,11 @@ import time
 import httpx
 import openai
 import pytest
-from server_utils import MODEL, Server, ServerThread, free_port
+from server_utils import GREEDY, HELLO, MODEL, Server, ServerThread, chat, free_port
 
 import ladle
 from ladle.model import kernels
 from ladle.server.app import create_app
-
-GREEDY = dict(temperature=0.0)
-HELLO = [{"role": "user", "content": "Say hello in one short sentence."}]
-
-
-@pytest.fixture(scope="module")
-def client(server: Server) -> openai.OpenAI:
-    c = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=120)
-    yield c
-    c.close()
-
-
-def _chat(client: openai.OpenAI, messages=HELLO, **kw):
-    return client.chat.completions.create(model=MODEL, messages=messages, **{"max_tokens": 16, **GREEDY, **kw})
-
 
 # -- the basics ------------------------------------------------------------------
 
@@ -55,7 +39,7 @@ def test_models_health_version(server: Server, client: openai.OpenAI) -> None:
 
 
 def test_chat(server: Server, client: openai.OpenAI) -> None:
-    r = _chat(client)
+    r = chat(client)
     choice = r.choices[0]
     assert r.object == "chat.completion" and r.model == MODEL and r.id.startswith("chatcmpl-")
     assert choice.message.role == "assistant" and choice.message.content
@@ -69,74 +53,11 @@ def test_chat(server: Server, client: openai.OpenAI) -> None:
 
 def test_chat_content_parts_equal_string_content(client: openai.OpenAI) -> None:
     parts = [{"role": "user", "content": [{"type": "text", "text": HELLO[0]["content"]}]}]
-    assert _chat(client, parts).choices[0].message.content == _chat(client).choices[0].message.content
-
-
-def test_streaming_chat_equals_non_streamed(client: openai.OpenAI) -> None:
-    full = _chat(client, max_completion_tokens=16, max_tokens=None)
-    chunks = list(_chat(client, max_completion_tokens=16, max_tokens=None, stream=True,
-                        stream_options={"include_usage": True}))
-    assert chunks[0].choices[0].delta.role == "assistant"
-    assert len({c.id for c in chunks}) == 1 and len({c.created for c in chunks}) == 1
-    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    assert text == full.choices[0].message.content
-    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
-    assert finishes == [full.choices[0].finish_reason]
-    usage_chunk = chunks[-1]
-    assert usage_chunk.choices == [] and usage_chunk.usage is not None
-    streamed_usage, full_usage = usage_chunk.usage.model_dump(), full.usage.model_dump()
-    # the streamed request finds at least what the first one left in the prefix cache
-    assert streamed_usage.pop("prompt_tokens_details")["cached_tokens"] >= \
-        full_usage.pop("prompt_tokens_details")["cached_tokens"]
-    assert streamed_usage == full_usage
-    assert all(c.usage is None for c in chunks[:-1])
-
-
-def test_stream_without_include_usage_has_no_usage_chunk(client: openai.OpenAI) -> None:
-    chunks = list(_chat(client, max_tokens=4, stream=True))
-    assert all(c.choices for c in chunks) and all(c.usage is None for c in chunks)
-
-
-CONTINUOUS = {"include_usage": True, "continuous_usage_stats": True}
-
-
-def _check_running_usage(usages: list, prompt_tokens: int, final_completion_tokens: int) -> None:
-    """Every chunk's usage: this prompt, the completion so far (growing), the total of both."""
-    assert all(u is not None and u.prompt_tokens == prompt_tokens for u in usages), usages
-    assert all(u.total_tokens == u.prompt_tokens + u.completion_tokens for u in usages)
-    counts = [u.completion_tokens for u in usages]
-    assert counts == sorted(set(counts)) and counts[-1] == final_completion_tokens, counts
-
-
-def test_continuous_usage_stats_chat(client: openai.OpenAI) -> None:
-    kw = dict(max_tokens=8, extra_body={"ignore_eos": True})
-    *chunks, final = _chat(client, stream=True, stream_options=CONTINUOUS, **kw)
-    assert final.choices == [] and final.usage.completion_tokens == 8
-    plain = _chat(client, **kw).usage
-    assert (final.usage.prompt_tokens, final.usage.total_tokens) == (plain.prompt_tokens, plain.total_tokens)
-    assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].usage.completion_tokens == 0
-    _check_running_usage([c.usage for c in chunks], final.usage.prompt_tokens, final.usage.completion_tokens)
-    assert len(chunks) >= 5  # one per token or so: the counts really grew along the way
-    # continuous_usage_stats without include_usage: no usage anywhere (as vLLM)
-    plain = list(_chat(client, stream=True, stream_options={"continuous_usage_stats": True}, max_tokens=3))
-    assert plain and all(c.usage is None and c.choices for c in plain)
-
-
-def test_continuous_usage_stats_completions(server: Server, client: openai.OpenAI) -> None:
-    prompts = ["The capital of France is", "One, two, three, four,"]
-    lengths = [httpx.post(f"{server.url}/tokenize", json={"prompt": p}).json()["count"] for p in prompts]
-    *chunks, final = client.completions.create(model=MODEL, prompt=prompts, max_tokens=6, stream=True,
-                                               stream_options=CONTINUOUS, extra_body={"ignore_eos": True}, **GREEDY)
-    assert final.choices == [] and final.usage.prompt_tokens == sum(lengths)
-    assert final.usage.completion_tokens == 12
-    for index, length in enumerate(lengths):  # each choice counts its own prompt and completion
-        mine = [c.usage for c in chunks if c.choices[0].index == index]
-        _check_running_usage(mine, length, 6)
-        assert len(mine) >= 3
+    assert chat(client, parts).choices[0].message.content == chat(client).choices[0].message.content
 
 
 def test_chat_logprobs(client: openai.OpenAI) -> None:
-    r = _chat(client, max_tokens=8, logprobs=True, top_logprobs=3)
+    r = chat(client, max_tokens=8, logprobs=True, top_logprobs=3)
     content = r.choices[0].logprobs.content
     assert len(content) == r.usage.completion_tokens
     assert "".join(t.token for t in content) == r.choices[0].message.content
@@ -145,30 +66,30 @@ def test_chat_logprobs(client: openai.OpenAI) -> None:
         assert [x.logprob for x in t.top_logprobs] == sorted((x.logprob for x in t.top_logprobs), reverse=True)
         assert t.top_logprobs[0].token == t.token and t.logprob == pytest.approx(t.top_logprobs[0].logprob)
         assert bytes(t.bytes).decode("utf-8") == t.token and t.logprob <= 0
-    streamed = [lp for c in _chat(client, max_tokens=8, logprobs=True, top_logprobs=3, stream=True)
+    streamed = [lp for c in chat(client, max_tokens=8, logprobs=True, top_logprobs=3, stream=True)
                 if c.choices and c.choices[0].logprobs for lp in c.choices[0].logprobs.content]
     assert [t.token for t in streamed] == [t.token for t in content]
 
 
 def test_stop_string_and_length(client: openai.OpenAI) -> None:
-    text = _chat(client).choices[0].message.content
+    text = chat(client).choices[0].message.content
     stop = text.split()[1]  # a word the greedy answer will produce
-    r = _chat(client, stop=[stop])
+    r = chat(client, stop=[stop])
     assert r.choices[0].finish_reason == "stop" and stop not in r.choices[0].message.content
     assert r.choices[0].message.content == text[: text.index(stop)]
-    r = _chat(client, max_tokens=3, extra_body={"ignore_eos": True})
+    r = chat(client, max_tokens=3, extra_body={"ignore_eos": True})
     assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 3
 
 
 def test_n_and_seed(client: openai.OpenAI) -> None:
     kw = dict(n=3, seed=1234, temperature=1.0, max_tokens=8, top_p=0.95, presence_penalty=0.5,
               frequency_penalty=0.5, user="tests", extra_body={"top_k": 50, "min_p": 0.01, "repetition_penalty": 1.1})
-    a, b = _chat(client, **kw), _chat(client, **kw)
+    a, b = chat(client, **kw), chat(client, **kw)
     assert [c.index for c in a.choices] == [0, 1, 2]
     assert [c.message.content for c in a.choices] == [c.message.content for c in b.choices]
     assert 3 <= a.usage.completion_tokens <= 3 * 8
     streamed = {}
-    for chunk in _chat(client, stream=True, **kw):
+    for chunk in chat(client, stream=True, **kw):
         for c in chunk.choices:
             streamed[c.index] = streamed.get(c.index, "") + (c.delta.content or "")
     assert [streamed[i] for i in range(3)] == [c.message.content for c in a.choices]
@@ -191,41 +112,6 @@ def test_completions_with_logprobs_and_echo(client: openai.OpenAI) -> None:
     assert all(v is not None for v in elp.token_logprobs[1:])
     assert elp.tokens[e.usage.prompt_tokens:] == lp.tokens
     assert elp.token_logprobs[e.usage.prompt_tokens:] == pytest.approx(lp.token_logprobs, abs=1e-4)
-
-
-def test_streamed_echo_equals_non_streamed(server: Server, client: openai.OpenAI) -> None:
-    prompts = ["The capital of France is", "One, two, three,"]
-    kw = dict(model=MODEL, prompt=prompts, max_tokens=6, echo=True, **GREEDY)
-    full = client.completions.create(**kw)
-    assert [c.text[: len(p)] for c, p in zip(full.choices, prompts)] == prompts
-    texts: dict[int, list[str]] = {0: [], 1: []}
-    for chunk in client.completions.create(stream=True, **kw):
-        texts[chunk.choices[0].index].append(chunk.choices[0].text)
-    assert [texts[0][0][: len(prompts[0])], texts[1][0][: len(prompts[1])]] == prompts  # the prompt comes first
-    assert ["".join(texts[0]), "".join(texts[1])] == [c.text for c in full.choices]
-    assert len(texts[0]) > 1  # and the completion after it, as it is generated
-    # a prompt of token ids echoes as its text
-    ids = httpx.post(f"{server.url}/tokenize", json={"prompt": prompts[1]}).json()["tokens"]
-    by_ids = client.completions.create(**{**kw, "prompt": ids, "stream": True})
-    assert "".join(c.choices[0].text for c in by_ids) == full.choices[1].text
-
-
-def test_completions_token_ids_batch_and_stream(server: Server, client: openai.OpenAI) -> None:
-    prompts = ["The capital of France is", "One, two, three,"]
-    ids = [httpx.post(f"{server.url}/tokenize", json={"prompt": p}).json()["tokens"] for p in prompts]
-    by_text = client.completions.create(model=MODEL, prompt=prompts, max_tokens=6, **GREEDY)
-    by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=6, **GREEDY)
-    assert [c.text for c in by_text.choices] == [c.text for c in by_ids.choices]
-    assert [c.index for c in by_text.choices] == [0, 1]
-    assert by_text.usage.prompt_tokens == sum(map(len, ids))
-    texts = {0: "", 1: ""}
-    chunks = list(client.completions.create(model=MODEL, prompt=prompts, max_tokens=6, stream=True,
-                                            stream_options={"include_usage": True}, **GREEDY))
-    for chunk in chunks[:-1]:
-        for c in chunk.choices:
-            texts[c.index] += c.text
-    assert [texts[0], texts[1]] == [c.text for c in by_text.choices]
-    assert chunks[-1].choices == [] and chunks[-1].usage.model_dump() == by_text.usage.model_dump()
 
 
 def test_tokenize_detokenize(server: Server) -> None:
@@ -255,7 +141,7 @@ def test_bad_requests_raise_typed_errors(client: openai.OpenAI) -> None:
     ]
     for kw, param in cases:
         with pytest.raises(openai.BadRequestError) as err:
-            _chat(client, **kw)
+            chat(client, **kw)
         assert err.value.status_code == 400
         assert err.value.body["param"] == param, (kw, err.value.body)
         assert param in err.value.body["message"]
@@ -267,8 +153,8 @@ def test_unsupported_fields_are_refused_naming_them(client: openai.OpenAI) -> No
 
     cases = [
         (lambda: complete(logit_bias={"15": 5}), "logit_bias"),
-        (lambda: _chat(client, logit_bias={"15": -100}), "logit_bias"),
-        (lambda: _chat(client, logit_bias={"15": 5}, stream=True), "logit_bias"),  # before the stream starts
+        (lambda: chat(client, logit_bias={"15": -100}), "logit_bias"),
+        (lambda: chat(client, logit_bias={"15": 5}, stream=True), "logit_bias"),  # before the stream starts
         (lambda: complete(suffix=" world"), "suffix"),
         (lambda: complete(suffix=" world", stream=True), "suffix"),
         (lambda: complete(best_of=3), "best_of"),
@@ -291,7 +177,7 @@ def test_unsupported_fields_are_refused_naming_them(client: openai.OpenAI) -> No
 def test_continue_final_message(server: Server, client: openai.OpenAI) -> None:
     messages = [{"role": "user", "content": "Name three colors."}, {"role": "assistant", "content": "Red, green and"}]
     flags = {"continue_final_message": True, "add_generation_prompt": False}
-    r = _chat(client, messages, max_tokens=6, extra_body=flags)
+    r = chat(client, messages, max_tokens=6, extra_body=flags)
     # the prompt ends inside the assistant's message: no end-of-turn after it
     ids = httpx.post(f"{server.url}/tokenize", json={"messages": messages, **flags}).json()["tokens"]
     rendered = httpx.post(f"{server.url}/detokenize", json={"tokens": ids}).json()["prompt"]
@@ -304,7 +190,7 @@ def test_continue_final_message(server: Server, client: openai.OpenAI) -> None:
            (HELLO, flags)]  # the last message is not the assistant's
     for msgs, extra in bad:
         with pytest.raises(openai.BadRequestError) as err:
-            _chat(client, msgs, max_tokens=1, extra_body=extra)
+            chat(client, msgs, max_tokens=1, extra_body=extra)
         assert err.value.body["param"] == "continue_final_message"
 
 
@@ -368,77 +254,6 @@ def test_api_key(async_engine) -> None:
         assert httpx.get(f"{thread.url}/health").status_code == 200  # not under /v1
     finally:
         thread.stop()
-
-
-# -- concurrency, keep-alive, disconnects ----------------------------------------
-
-PROMPTS = ["Name a color.", "What is 2+2?", "Say something about cats.", "Describe the sea.",
-           "Give me a fruit.", "What is Python?", "Tell me about the moon.", "Count to five."]
-
-
-def test_32_concurrent_streams_match_solo_greedy(server: Server, client: openai.OpenAI) -> None:
-    kw = dict(max_tokens=16, temperature=0.0)
-    solo = {p: _chat(client, [{"role": "user", "content": p}], **kw).choices[0].message.content for p in PROMPTS}
-    jobs = [PROMPTS[i % len(PROMPTS)] for i in range(32)]
-    steps_before = server.stats()["steps"]
-
-    async def stream_one(aclient: openai.AsyncOpenAI, prompt: str) -> str:
-        text = ""
-        stream = await aclient.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}],
-                                                       stream=True, **kw)
-        async for chunk in stream:
-            if chunk.choices:
-                text += chunk.choices[0].delta.content or ""
-        return text
-
-    async def run_all() -> list[str]:
-        async with openai.AsyncOpenAI(base_url=server.base_url, api_key="x", max_retries=0, timeout=300) as ac:
-            return await asyncio.gather(*(stream_one(ac, p) for p in jobs))
-
-    outputs = asyncio.run(run_all())
-    assert outputs == [solo[p] for p in jobs]
-    stats = server.wait_idle()
-    assert stats["steps"] - steps_before < 32 * 16 / 4  # the streams shared steps
-
-
-def test_keep_alive_across_streamed_and_plain_requests(server: Server) -> None:
-    conn = http.client.HTTPConnection("127.0.0.1", int(server.url.rsplit(":", 1)[1]), timeout=60)
-    body = json.dumps({"model": MODEL, "messages": HELLO, "max_tokens": 4, "stream": True})
-    conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
-    resp = conn.getresponse()
-    assert resp.status == 200 and resp.getheader("content-type").startswith("text/event-stream")
-    events = resp.read().decode()
-    assert events.rstrip().endswith("data: [DONE]") and not resp.will_close
-    sock = conn.sock
-    for path in ("/health", "/v1/models"):
-        conn.request("GET", path)
-        resp = conn.getresponse()
-        resp.read()
-        assert resp.status == 200 and conn.sock is sock  # same TCP connection
-    conn.close()
-
-
-def test_client_closing_a_stream_frees_its_blocks(server: Server, client: openai.OpenAI) -> None:
-    server.wait_idle()
-    before = server.stats()["generation_tokens"]
-    stream = _chat(client, max_tokens=2000, stream=True, extra_body={"ignore_eos": True})
-    for i, _chunk in enumerate(stream):
-        if i == 3:
-            break
-    assert server.stats()["num_unfinished_requests"] == 1
-    stream.close()
-    stats = server.wait_idle(timeout=30)
-    assert stats["generation_tokens"] - before < 200  # aborted, not run to the end
-
-
-def test_client_timing_out_on_a_plain_request_frees_its_blocks(server: Server) -> None:
-    server.wait_idle()
-    before = server.stats()["generation_tokens"]
-    body = {"model": MODEL, "messages": HELLO, "max_tokens": 2000, "ignore_eos": True}
-    with pytest.raises(httpx.TimeoutException):
-        httpx.post(f"{server.base_url}/chat/completions", json=body, timeout=httpx.Timeout(5, read=1.0))
-    stats = server.wait_idle(timeout=30)
-    assert stats["generation_tokens"] - before < 200
 
 
 # -- the real command ------------------------------------------------------------

@@ -36,13 +36,6 @@ SCHEMAS = {
 ASK = "Reply with the JSON object only."
 
 
-@pytest.fixture(scope="module")
-def client(server: Server) -> openai.OpenAI:
-    c = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=300)
-    yield c
-    c.close()
-
-
 def _gather(server: Server, route: str, bodies: list[dict]) -> list[dict]:
     """POST all bodies at once (so they share engine steps); the JSON responses, in order."""
     async def run() -> list[dict]:

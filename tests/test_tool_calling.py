@@ -29,13 +29,6 @@ ASK = [{"role": "user", "content": "What is the weather in Paris, and what is 2 
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 
 
-@pytest.fixture(scope="module")
-def client(server: Server) -> openai.OpenAI:
-    c = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=300)
-    yield c
-    c.close()
-
-
 def _check_calls(message, allowed: set[str]) -> None:
     assert message.tool_calls, message
     for call in message.tool_calls:

@@ -74,12 +74,20 @@ async def decide(engine: AsyncEngine, input_text: str, questions: list[Question]
     # Rendering and tokenizing hundreds of prompts would stall the event loop: do it off it.
     prepared = await asyncio.to_thread(prepare, engine.tokenizer, engine.max_model_len, input_text, questions,
                                        kwargs)
-    states = engine.num_hidden_layers + 1  # layers count from the end when negative
-    layers = [f.layer % states if isinstance(f, DecisionHead) else None for f in fitted]
+    layers = [_head_layer(engine, q, f) for q, f in zip(questions, fitted)]
     jobs = [_job(p, f, layer) for p, f, layer in zip(prepared, fitted, layers)]
     results = await scoring.score(engine, jobs)
     answers = [_decided(p, r, f, layer, temperature) for p, r, f, layer in zip(prepared, results, fitted, layers)]
     return Decisions(answers, *usage(engine, [(r.num_prompt_tokens, r.num_cached_tokens) for r in results]))
+
+
+def _head_layer(engine: AsyncEngine, question: Question, fitted: Calibration | DecisionHead | None) -> int | None:
+    if not isinstance(fitted, DecisionHead):
+        return None
+    try:
+        return engine.hidden_state_index(fitted.layer)
+    except ValueError as e:  # a head fitted on a deeper model
+        raise question.refuse(f"head: {e}", question.field_name("head")) from None
 
 
 def _job(p: Prepared, fitted: Calibration | DecisionHead | None, layer: int | None) -> scoring.ScoreJob:

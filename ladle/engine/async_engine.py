@@ -151,6 +151,14 @@ class AsyncEngine:
 
     # -- lifecycle ------------------------------------------------------------
 
+    def hidden_state_index(self, layer: int) -> int:
+        """transformers' hidden_states index of `layer` (0 the embeddings, i decoder layer i's output,
+        negative from the end: -1 the final normed state). Raises ValueError when out of range."""
+        states = self.num_hidden_layers + 1
+        if not -states <= layer < states:
+            raise ValueError(f"layer must be in [{-states}, {states - 1}] for this model")
+        return layer % states
+
     def start(self) -> None:
         """Start the engine thread (idempotent)."""
         with self._cond:

@@ -90,10 +90,10 @@ async def embeddings(request: Request) -> Response:
     if req.dimensions is not None:
         raise InvalidRequestError("dimensions is not supported: ladle's embeddings are the model's hidden size",
                                   param="dimensions")
-    layers = ctx.engine.num_hidden_layers
-    if not -(layers + 1) <= req.layer <= layers:
-        raise InvalidRequestError(f"layer must be in [{-(layers + 1)}, {layers}] for this model", param="layer")
-    layer = req.layer % (layers + 1)
+    try:
+        layer = ctx.engine.hidden_state_index(req.layer)
+    except ValueError as e:
+        raise InvalidRequestError(str(e), param="layer") from None
     prompts = prompts_of(req, ctx.engine.tokenizer.encode)
     if req.pooling_start and req.pooling != "mean":
         raise InvalidRequestError("pooling_start applies to mean pooling only", param="pooling_start")
