@@ -79,7 +79,7 @@ def workload_flops(llm: LLM, work: list[tuple[list[int], int]]) -> float:
     """Matmul FLOPs of computing every prompt and output token once (linears + attention + lm_head)."""
     c = llm.engine.model_config
     m = llm.engine.runner.model
-    linear_params = sum(lin.weight.numel() for layer in m.layers for lin in layer.linears)
+    linear_params = sum(lin.out_features * lin.in_features for layer in m.layers for lin in layer.linears)
     head = c.vocab_size * c.hidden_size
     attn_per_ctx = 4 * c.num_hidden_layers * c.num_attention_heads * c.head_dim  # QK^T and PV, per key
     total = 0.0

@@ -30,6 +30,7 @@ class EngineConfig:
     # LADLE_DTYPE sets the default (the test suite pins float32 with it)
     dtype: str = field(default_factory=lambda: os.environ.get("LADLE_DTYPE", "auto"))
     kv_cache_dtype: str = "auto"  # auto follows the compute dtype
+    quantization: str = "none"  # int8: weight-only int8 decoder layers (ladle.model.quantization)
 
     def __post_init__(self) -> None:
         if self.scheduling_policy not in SCHEDULING_POLICIES:
@@ -39,6 +40,8 @@ class EngineConfig:
         canonical_name(self.dtype)
         if self.kv_cache_dtype != "auto":
             canonical_name(self.kv_cache_dtype)
+        if self.quantization not in ("none", "int8"):
+            raise ValueError(f"quantization must be none or int8, not {self.quantization!r}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.block_size < 1:
             raise ValueError("max_num_seqs, max_num_batched_tokens and block_size must be positive")
         if self.max_num_batched_tokens < self.block_size:
@@ -79,6 +82,9 @@ def add_engine_arguments(parser) -> None:
                         "(AMX-BF16, or AVX512-BF16 if a start-up measurement says so), else float32")
     g.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
                    help="KV cache dtype; auto follows --dtype")
+    g.add_argument("--quantization", "-q", default="none", choices=("none", "int8"),
+                   help="int8: decoder-layer weights as int8 with a float scale per output row, quantised at "
+                        "load (a quarter of float32's bytes per decode step; float activations)")
 
 
 def engine_config_from_args(args) -> EngineConfig:
@@ -90,4 +96,5 @@ def engine_config_from_args(args) -> EngineConfig:
         scheduling_policy=args.scheduling_policy, enable_prefix_caching=args.enable_prefix_caching,
         max_waiting_requests=args.max_waiting_requests, num_threads=args.num_threads, seed=args.seed,
         deterministic=args.deterministic, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+        quantization=args.quantization,
     )

@@ -50,6 +50,20 @@ def kernels(request, monkeypatch: pytest.MonkeyPatch) -> str:
     loader.reset()
 
 
+@pytest.fixture(params=loader.supported_isas())
+def isa_kernels(request, monkeypatch: pytest.MonkeyPatch) -> Iterator[loader.NativeKernels]:
+    """The native kernels built for each instruction set this CPU runs (LADLE_ISA forces each)."""
+    if not loader.enabled():
+        pytest.skip("LADLE_NATIVE_KERNELS=0 in the environment")
+    monkeypatch.setenv("LADLE_ISA", request.param)
+    loader.reset()
+    k = loader.native_kernels()
+    assert k is not None and k.isa == request.param
+    yield k
+    monkeypatch.undo()
+    loader.reset()
+
+
 @pytest.fixture(scope="session")
 def hf_smollm2():
     """(model, tokenizer) as transformers loads the default GGUF directly: the reference (~15 s)."""

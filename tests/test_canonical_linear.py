@@ -4,7 +4,6 @@ against the scalar definition, on every instruction set this CPU runs (LADLE_ISA
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from fractions import Fraction
 
 import numpy as np
@@ -17,19 +16,6 @@ from ladle.model.kernels import loader
 from ladle.model.layers import Linear
 
 SHAPES = [(37, 5), (64, 40), (576, 960), (1536, 576), (300, 1001)]  # (in, out): panel tails, odd k
-
-
-@pytest.fixture(params=loader.supported_isas())
-def isa_kernels(request, monkeypatch: pytest.MonkeyPatch) -> Iterator[kernels.NativeKernels]:
-    if not loader.enabled():
-        pytest.skip("LADLE_NATIVE_KERNELS=0 in the environment")
-    monkeypatch.setenv("LADLE_ISA", request.param)
-    loader.reset()
-    k = kernels.native_kernels()
-    assert k is not None and k.isa == request.param
-    yield k
-    monkeypatch.undo()
-    loader.reset()
 
 
 def operands(k: int, n: int, dtype: torch.dtype, rows: int = 40):

@@ -28,10 +28,11 @@ def test_models_health_version(server: Server, client: openai.OpenAI) -> None:
     assert client.models.retrieve(MODEL).id == MODEL
     assert httpx.get(f"{server.url}/health").status_code == 200
     version = httpx.get(f"{server.url}/version").json()
-    assert set(version) == {"version", "dtype", "dtype_reason", "kv_cache_dtype", "kernels", "matmul"}
+    assert set(version) == {"version", "dtype", "dtype_reason", "quantization", "kv_cache_dtype", "kernels", "matmul"}
     assert version["version"] == ladle.__version__
     # the suite pins float32 (conftest), so the choice is the one asked for
     assert version["dtype"] == version["kv_cache_dtype"] == "float32" and version["dtype_reason"] == "requested"
+    assert version["quantization"] == "none"
     native = kernels.native_kernels()
     assert version["kernels"] == (native.isa if native is not None else "torch")
     routing = server.engine.engine.runner.model.routing

@@ -37,6 +37,8 @@ def test_cli_aliases_parse_into_the_engine_config() -> None:
     config = engine_config_from_args(parse("--no-prefix-cache", "--schedule-policy", "priority", "--deterministic"))
     assert (config.enable_prefix_caching, config.scheduling_policy, config.deterministic) == (False, "priority", True)
     assert engine_config_from_args(parse("--scheduling-policy", "lpm")).scheduling_policy == "lpm"
+    assert engine_config_from_args(parse("--quantization", "int8")).quantization == "int8"
+    assert engine_config_from_args(parse()).quantization == "none"
     with pytest.raises(SystemExit):  # the alias checks its choices too
         parse("--schedule-policy", "random")
 

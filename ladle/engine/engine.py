@@ -69,7 +69,7 @@ class LLMEngine:
                                  cache_outputs=not config.deterministic)
         self.scheduler = Scheduler(config, self.kv)
         self.runner = ModelRunner(self.model_config, load_weights(folder, self.dtype.dtype), num_blocks,
-                                  config.block_size, self.kv_dtype)
+                                  config.block_size, self.kv_dtype, config.quantization)
         self.sampler = Sampler(config.seed)
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids))
         log.info("matmuls: decode on %s, prefill on %s (measured: %s)", self.runner.model.routing.decode,
@@ -81,7 +81,7 @@ class LLMEngine:
     def runtime_info(self) -> dict[str, str]:
         """How this engine computes on this machine, and why (the start log and /version)."""
         routing = self.runner.model.routing
-        return {"dtype": self.dtype.name, "dtype_reason": self.dtype.reason,
+        return {"dtype": self.dtype.name, "dtype_reason": self.dtype.reason, "quantization": self.config.quantization,
                 "kv_cache_dtype": str(self.kv_dtype).removeprefix("torch."), "kernels": self.isa,
                 "matmul": f"decode {routing.decode}, prefill {routing.prefill}"}
 

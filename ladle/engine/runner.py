@@ -31,13 +31,13 @@ class StepLogits:
 
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], num_blocks: int, block_size: int,
-                 kv_dtype: torch.dtype = torch.float32):
+                 kv_dtype: torch.dtype = torch.float32, quantization: str = "none"):
         self.cfg = cfg
         self.block_size = block_size
         self.kv_cache = KVCache(cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim,
                                 dtype=kv_dtype)
         backend = TorchPagedAttention(self.kv_cache, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
-        self.model = LlamaForCausalLM(cfg, weights, backend)
+        self.model = LlamaForCausalLM(cfg, weights, backend, quantization)
 
     def _is_decode(self, item: ScheduledSeq) -> bool:
         return item.num_new_tokens == 1 and not item.seq.canonical

@@ -14,8 +14,9 @@ import torch.nn.functional as F
 from ladle.model import kernels
 from ladle.model.attention import AttentionBackend, AttentionMetadata
 from ladle.model.config import ModelConfig
-from ladle.model.kernels.routing import choose_routing
+from ladle.model.kernels.routing import MatmulRouting, choose_routing
 from ladle.model.layers import Linear, RotaryEmbedding, apply_rotary, rms_norm, silu_and_mul
+from ladle.model.quantization import QUANTIZATIONS, Int8Linear
 
 
 @dataclass
@@ -34,7 +35,8 @@ class DecoderLayerWeights:
         return (self.qkv, self.o_proj, self.gate_up, self.down)
 
 
-def _layer_weights(w: dict[str, torch.Tensor], i: int, cfg: ModelConfig) -> DecoderLayerWeights:
+def _layer_weights(w: dict[str, torch.Tensor], i: int, cfg: ModelConfig,
+                   linear: type[Linear] = Linear) -> DecoderLayerWeights:
     p = f"model.layers.{i}."
     attn = p + "self_attn."
     bias = None
@@ -42,13 +44,13 @@ def _layer_weights(w: dict[str, torch.Tensor], i: int, cfg: ModelConfig) -> Deco
         bias = torch.cat([w.pop(attn + f"{n}_proj.bias") for n in "qkv"])
     return DecoderLayerWeights(
         input_norm=w.pop(p + "input_layernorm.weight"),
-        qkv=Linear(torch.cat([w.pop(attn + f"{n}_proj.weight") for n in "qkv"]), bias),
+        qkv=linear(torch.cat([w.pop(attn + f"{n}_proj.weight") for n in "qkv"]), bias),
         q_norm=w.pop(attn + "q_norm.weight") if cfg.qk_norm else None,
         k_norm=w.pop(attn + "k_norm.weight") if cfg.qk_norm else None,
-        o_proj=Linear(w.pop(attn + "o_proj.weight")),
+        o_proj=linear(w.pop(attn + "o_proj.weight")),
         post_attn_norm=w.pop(p + "post_attention_layernorm.weight"),
-        gate_up=Linear(torch.cat([w.pop(p + "mlp.gate_proj.weight"), w.pop(p + "mlp.up_proj.weight")])),
-        down=Linear(w.pop(p + "mlp.down_proj.weight")),
+        gate_up=linear(torch.cat([w.pop(p + "mlp.gate_proj.weight"), w.pop(p + "mlp.up_proj.weight")])),
+        down=linear(w.pop(p + "mlp.down_proj.weight")),
     )
 
 
@@ -68,23 +70,33 @@ class KeptStates:
 
 
 class LlamaForCausalLM:
-    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], attention: AttentionBackend):
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], attention: AttentionBackend,
+                 quantization: str = "none"):
+        """quantization "int8": every linear weight as int8, the LM head's too (ladle.model.quantization);
+        the embedding lookup keeps the compute dtype."""
+        if quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, not {quantization!r}")
         w = dict(weights)
         self.cfg = cfg
         self.attention = attention
+        self.quantization = quantization
         self.embed = w.pop("model.embed_tokens.weight")
-        self.layers = [_layer_weights(w, i, cfg) for i in range(cfg.num_hidden_layers)]
+        linear = Int8Linear if quantization == "int8" else Linear
+        self.layers = [_layer_weights(w, i, cfg, linear) for i in range(cfg.num_hidden_layers)]
         self.norm = w.pop("model.norm.weight")
         lm_head = w.pop("lm_head.weight", None)
-        self.lm_head = Linear(self.embed if cfg.tie_word_embeddings or lm_head is None else lm_head)
+        self.lm_head = linear(self.embed if cfg.tie_word_embeddings or lm_head is None else lm_head)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         self.q_size = cfg.num_attention_heads * cfg.head_dim
         self.kv_size = cfg.num_key_value_heads * cfg.head_dim
         for lin in self.linears:  # now, not on the first canonical (scoring) request
             lin.pack()
         layer_linears = [lin for layer in self.layers for lin in layer.linears]
-        self.routing = choose_routing(kernels.native_kernels(), [lin.weight for lin in layer_linears],
-                                      [lin.packed for lin in layer_linears])
+        if all(getattr(lin, "quantized", False) for lin in self.linears):
+            self.routing = MatmulRouting("canonical", "canonical", "int8 weights: the int8 canonical kernel, every call")
+        else:
+            self.routing = choose_routing(kernels.native_kernels(), [lin.weight for lin in layer_linears],
+                                          [lin.packed for lin in layer_linears])
         for lin in self.linears:
             lin.routing = self.routing
 

@@ -66,8 +66,9 @@ def run(args: argparse.Namespace) -> int:
     host = f"[{args.host}]" if ":" in args.host else args.host
     info = engine.runtime_info
     print(f"ladle: serving {name} (max_model_len {engine.max_model_len}) at http://{host}:{args.port}/v1\n"
-          f"ladle: dtype {info['dtype']} ({info['dtype_reason']}); KV cache {info['kv_cache_dtype']}; "
-          f"kernels {info['kernels']}; matmuls: {info['matmul']}", file=sys.stderr, flush=True)
+          f"ladle: dtype {info['dtype']} ({info['dtype_reason']}); weights {info['quantization']}; "
+          f"KV cache {info['kv_cache_dtype']}; kernels {info['kernels']}; matmuls: {info['matmul']}",
+          file=sys.stderr, flush=True)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level, timeout_keep_alive=30)
     finally:

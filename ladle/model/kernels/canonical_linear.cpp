@@ -9,8 +9,10 @@
 // scalar path. Canonical sequences (scoring, --deterministic) rely on it.
 //
 // W is packed once at load into panels of 16 columns: panel p holds w[16p + j, k] at
-// [p][k][j] (float32 or bfloat16 bits, columns past N zero), so the inner loop reads
-// one contiguous line of W per k.
+// [p][k][j] (float32, bfloat16 bits or int8, columns past N zero), so the inner loop reads
+// one contiguous line of W per k. int8 weights (weight-only quantisation) are widened to
+// float exactly, and each output's sum is multiplied by its column's scale at the end:
+// y[m, n] = acc * scale[n] + bias[n], the same operations on every path.
 
 #include "simd.h"
 
@@ -18,6 +20,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -67,7 +70,9 @@ constexpr int kTilePanels = 2;
 
 template <typename W>
 inline __m512 load_panel(const W* p) {
-  if constexpr (sizeof(W) == 2)
+  if constexpr (sizeof(W) == 1)
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+  else if constexpr (sizeof(W) == 2)
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
   else return _mm512_loadu_ps(p);
 }
@@ -135,40 +140,89 @@ void tile_rows(int64_t rows, const float* x, int64_t ldx, const W* panels, int64
 }
 
 
+// Panels per tile for a row range: a decode step's one or two rows get 8 panels on AVX-512, so
+// 8 or 16 FMA chains run at once instead of 2 or 4 (one chain per row and panel, each FMA
+// waiting on the last: with few rows, the chains' latency, not memory, would bound int8 weights).
+// Which outputs share a tile never changes an output's own chain.
+#if defined(__AVX512F__)
+constexpr int kWidePanels = 8;
+constexpr int64_t kFewRows = 2;
+#else
+constexpr int kWidePanels = kTilePanels;
+constexpr int64_t kFewRows = 0;
+#endif
+
+inline int64_t group_width(int64_t rows, int64_t p, int64_t end_panel) {
+  if (rows <= kFewRows && p + kWidePanels <= end_panel) return kWidePanels;
+  return std::min<int64_t>(kTilePanels, end_panel - p);
+}
+
+// One tile of `rows` rows and `panels` panels (kWidePanels, kTilePanels or 1).
+template <typename W>
+void tile_group(int64_t panels, int64_t rows, const float* x, int64_t ldx, const W* w, int64_t panel_stride,
+                int64_t k, float* c, Prefetch pf) {
+  if constexpr (kWidePanels != kTilePanels) {
+    if (panels == kWidePanels) return tile_rows<kWidePanels, W, kFewRows>(rows, x, ldx, w, panel_stride, k, c, pf);
+  }
+  if (panels == kTilePanels) tile_rows<kTilePanels>(rows, x, ldx, w, panel_stride, k, c, pf);
+  else if (panels == 1) tile_rows<1>(rows, x, ldx, w, panel_stride, k, c, pf);
+}
+
+// count int8 weights as floats, in a buffer of this thread's that lives until its next call.
+inline const float* widen_group(const int8_t* w, int64_t count) {
+  thread_local std::vector<float> buffer;
+  if (int64_t(buffer.size()) < count) buffer.resize(count);
+  for (int64_t i = 0; i < count; ++i) buffer[i] = static_cast<float>(w[i]);
+  return buffer.data();
+}
+template <typename W>
+inline const float* widen_group(const W*, int64_t) { return nullptr; }
+
 // Columns [16 * first_panel, 16 * end_panel) of rows [m0, m1).
 template <typename W>
-void column_range(const float* x, int64_t ldx, const W* wp, const float* bias, float* y, int64_t ldy, int64_t m0,
-                  int64_t m1, int64_t k, int64_t n, int64_t first_panel, int64_t end_panel) {
+void column_range(const float* x, int64_t ldx, const W* wp, const float* scales, const float* bias, float* y,
+                  int64_t ldy, int64_t m0, int64_t m1, int64_t k, int64_t n, int64_t first_panel, int64_t end_panel) {
   const int64_t panel_stride = k * kPanel;
-  alignas(64) float c[kTileRows * kTilePanels * kPanel];
-  for (int64_t p = first_panel; p < end_panel; p += kTilePanels) {
-    const int panels = static_cast<int>(std::min<int64_t>(kTilePanels, end_panel - p));
+  alignas(64) float c[kTileRows * kTilePanels * kPanel > kFewRows * kWidePanels * kPanel
+                          ? kTileRows * kTilePanels * kPanel : kFewRows * kWidePanels * kPanel];
+  for (int64_t p = first_panel; p < end_panel;) {
+    const int64_t panels = group_width(m1 - m0, p, end_panel);
     const W* w = wp + p * panel_stride;
     // the next group in this range, or the range's first for the next row block
-    const int64_t next_p = p + kTilePanels < end_panel ? p + kTilePanels : first_panel;
-    const int64_t next_panels = std::min<int64_t>(kTilePanels, end_panel - next_p);
+    const int64_t next_p = p + panels < end_panel ? p + panels : first_panel;
+    const int64_t next_panels = group_width(m1 - m0, next_p, end_panel);
     const W* next = next_p == p ? nullptr : wp + next_p * panel_stride;
     const int64_t next_bytes = next_panels * panel_stride * int64_t(sizeof(W));
     const int64_t tiles = (m1 - m0 + kTileRows - 1) / kTileRows;
+    // int8 panels that several row tiles share are widened once (exactly) into a float copy,
+    // so each tile runs the float inner loop rather than converting the same weights again
+    const float* wide = nullptr;
+    if constexpr (sizeof(W) == 1) {
+      if (tiles > 1) wide = widen_group(w, panels * panel_stride);
+    }
     for (int64_t m = m0; m < m1; m += kTileRows) {
       const int64_t rows = std::min<int64_t>(kTileRows, m1 - m);
       const Prefetch pf = prefetch_share(next, next_bytes, (m - m0) / kTileRows, tiles);
-      if (panels == kTilePanels) tile_rows<kTilePanels>(rows, x + m * ldx, ldx, w, panel_stride, k, c, pf);
-      else tile_rows<1>(rows, x + m * ldx, ldx, w, panel_stride, k, c, pf);
+      if (wide != nullptr) tile_group(panels, rows, x + m * ldx, ldx, wide, panel_stride, k, c, pf);
+      else tile_group(panels, rows, x + m * ldx, ldx, w, panel_stride, k, c, pf);
       const int64_t width = panels * kPanel;
       const int64_t col0 = p * kPanel, cols = std::min<int64_t>(width, n - col0);
       for (int64_t r = 0; r < rows; ++r) {
         float* out = y + (m + r) * ldy + col0;
         const float* sums = c + r * width;
-        for (int64_t j = 0; j < cols; ++j) out[j] = bias ? sums[j] + bias[col0 + j] : sums[j];
+        for (int64_t j = 0; j < cols; ++j) {
+          const float v = scales ? sums[j] * scales[col0 + j] : sums[j];
+          out[j] = bias ? v + bias[col0 + j] : v;
+        }
       }
     }
+    p += panels;
   }
 }
 
 template <typename W>
-void canonical_linear(const float* x, int64_t ldx, const W* wp, const float* bias, float* y, int64_t m, int64_t k,
-                      int64_t n, int threads) {
+void canonical_linear(const float* x, int64_t ldx, const W* wp, const float* scales, const float* bias, float* y,
+                      int64_t m, int64_t k, int64_t n, int threads) {
   const int64_t panels = (n + kPanel - 1) / kPanel;
   const int64_t tiles = (panels + kTilePanels - 1) / kTilePanels;
   if (m * n * k < (int64_t(1) << 18)) threads = 1;
@@ -184,17 +238,20 @@ void canonical_linear(const float* x, int64_t ldx, const W* wp, const float* bia
     const int64_t first = tiles * t / threads * kTilePanels;
     const int64_t end = std::min(panels, tiles * (t + 1) / threads * kTilePanels);
     for (int64_t m0 = 0; m0 < m; m0 += row_block)
-      column_range(x, ldx, wp, bias, y, n, m0, std::min(m, m0 + row_block), k, n, first, end);
+      column_range(x, ldx, wp, scales, bias, y, n, m0, std::min(m, m0 + row_block), k, n, first, end);
   }
 }
 
 }  // namespace
 
-// Packs w[n, k] (float32 if bf16 == 0, else bfloat16 bits) into 16-column panels:
-// out must hold ceil(n / 16) * 16 * k elements of the same type.
-extern "C" void ladle_pack_panels(const void* w, void* out, int64_t n, int64_t k, int bf16) {
+// Weight element types of the packed panels.
+enum WeightType { kFloat32 = 0, kBFloat16 = 1, kInt8 = 2 };
+
+// Packs w[n, k] (elements of WeightType wtype) into 16-column panels: out must hold
+// ceil(n / 16) * 16 * k elements of the same type.
+extern "C" void ladle_pack_panels(const void* w, void* out, int64_t n, int64_t k, int wtype) {
   const int64_t panels = (n + kPanel - 1) / kPanel;
-  const int64_t size = bf16 ? 2 : 4;
+  const int64_t size = wtype == kInt8 ? 1 : wtype == kBFloat16 ? 2 : 4;
   auto* dst = static_cast<char*>(out);
   const auto* src = static_cast<const char*>(w);
   std::memset(dst, 0, panels * kPanel * k * size);
@@ -204,11 +261,15 @@ extern "C" void ladle_pack_panels(const void* w, void* out, int64_t n, int64_t k
                   size);
 }
 
-// y[m, n] (row stride n) = x[m, k] (row stride ldx) @ W^T (+ bias), W packed by ladle_pack_panels.
-extern "C" void ladle_canonical_linear(const float* x, int64_t ldx, const void* packed, int bf16, const float* bias,
-                                       float* y, int64_t m, int64_t k, int64_t n, int threads) {
-  if (bf16) canonical_linear(x, ldx, static_cast<const uint16_t*>(packed), bias, y, m, k, n, threads);
-  else canonical_linear(x, ldx, static_cast<const float*>(packed), bias, y, m, k, n, threads);
+// y[m, n] (row stride n) = x[m, k] (row stride ldx) @ W^T (* scales) (+ bias), W packed by
+// ladle_pack_panels; scales (one per output column) only for int8 weights, else nullptr.
+extern "C" void ladle_canonical_linear(const float* x, int64_t ldx, const void* packed, int wtype,
+                                       const float* scales, const float* bias, float* y, int64_t m, int64_t k,
+                                       int64_t n, int threads) {
+  if (wtype == kInt8) canonical_linear(x, ldx, static_cast<const int8_t*>(packed), scales, bias, y, m, k, n, threads);
+  else if (wtype == kBFloat16)
+    canonical_linear(x, ldx, static_cast<const uint16_t*>(packed), nullptr, bias, y, m, k, n, threads);
+  else canonical_linear(x, ldx, static_cast<const float*>(packed), nullptr, bias, y, m, k, n, threads);
 }
 
 // The instruction set this library was built for, as the loader reports it.

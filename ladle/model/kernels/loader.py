@@ -30,6 +30,7 @@ ISAS = ("avx512", "avx2", "scalar")  # best first
 # Compiler flags per instruction set: the host's own (-march=native) with the higher sets masked off.
 _ISA_FLAGS = {"avx512": [], "avx2": ["-mno-avx512f"], "scalar": ["-mno-avx"]}
 _SOURCES = sorted(Path(__file__).parent.glob("*.cpp"))
+_WEIGHT_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}  # canonical_linear.cpp's WeightType
 _lock = threading.Lock()
 _loaded = False
 _kernels: NativeKernels | None = None
@@ -65,30 +66,34 @@ class NativeKernels:
         self._pack_panels.argtypes = [ptr, ptr, i64, i64, ctypes.c_int]
         self._pack_panels.restype = None
         self._canonical_linear = lib.ladle_canonical_linear
-        self._canonical_linear.argtypes = [ptr, i64, ptr, ctypes.c_int, ptr, ptr, i64, i64, i64, ctypes.c_int]
+        self._canonical_linear.argtypes = [ptr, i64, ptr, ctypes.c_int, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]
         self._canonical_linear.restype = None
         lib.ladle_isa.restype = ctypes.c_char_p
         self.isa: str = lib.ladle_isa().decode()
 
     def pack_panels(self, weight: torch.Tensor) -> torch.Tensor:
         """weight [out, in] in the canonical kernel's layout: 16-column panels, [ceil(out / 16),
-        in, 16], zero-padded; bf16 stays bf16 (widened on the fly), anything else becomes
-        float32 (exactly, for fp16)."""
-        if weight.dtype not in (torch.float32, torch.bfloat16):
+        in, 16], zero-padded; bf16 and int8 stay as they are (widened on the fly), anything
+        else becomes float32 (exactly, for fp16)."""
+        if weight.dtype not in _WEIGHT_TYPES:
             weight = weight.float()
         weight = weight.contiguous()
         n, k = weight.shape
         out = torch.empty(-(-n // 16), k, 16, dtype=weight.dtype)
-        self._pack_panels(weight.data_ptr(), out.data_ptr(), n, k, int(weight.dtype == torch.bfloat16))
+        self._pack_panels(weight.data_ptr(), out.data_ptr(), n, k, _WEIGHT_TYPES[weight.dtype])
         return out
 
     def canonical_linear(self, x: torch.Tensor, packed: torch.Tensor, out_features: int,
-                         bias: torch.Tensor | None = None) -> torch.Tensor:
+                         bias: torch.Tensor | None = None, scales: torch.Tensor | None = None) -> torch.Tensor:
         """x[M, in] (float32, rows may be strided) @ W^T (+ bias) for W packed by `pack_panels`,
-        each output a fixed chain of FMAs in input order: a row's bits never depend on M."""
+        each output a fixed chain of FMAs in input order: a row's bits never depend on M.
+        int8 panels need `scales` (float32, one per output): the sums are multiplied by them."""
+        if (packed.dtype == torch.int8) != (scales is not None):
+            raise ValueError("scales go with int8 panels, and only with them")
         rows, k = x.shape
         y = torch.empty(rows, out_features, dtype=torch.float32)
-        self._canonical_linear(x.data_ptr(), x.stride(0), packed.data_ptr(), int(packed.dtype == torch.bfloat16),
+        self._canonical_linear(x.data_ptr(), x.stride(0), packed.data_ptr(), _WEIGHT_TYPES[packed.dtype],
+                               None if scales is None else scales.data_ptr(),
                                None if bias is None else bias.data_ptr(), y.data_ptr(), rows, k, out_features,
                                torch.get_num_threads())
         return y

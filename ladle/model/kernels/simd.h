@@ -9,7 +9,9 @@
 constexpr int64_t kCacheLine = 64;  // bytes: the unit of the kernels' software prefetches
 
 // K/V caches hold float32 or bfloat16 (its bits as uint16_t); kernels widen bf16 on load, exactly.
+// Quantised weights are int8 (their scale applied after the sum).
 inline float to_float(float x) { return x; }
+inline float to_float(int8_t q) { return static_cast<float>(q); }
 inline float to_float(uint16_t h) {
   const uint32_t bits = static_cast<uint32_t>(h) << 16;
   float f;
@@ -29,5 +31,8 @@ inline float hsum(__m256 v) {
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const uint16_t* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+inline __m256 load8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
 }
 #endif
