@@ -77,6 +77,9 @@ def test_int8_linear_without_native_kernels_is_the_dequantised_float_layer(monke
     if loader.enabled():
         assert native.quantized and native.nbytes == 48 * 96 + 40 * 4  # panels of 16 columns, and the scales
         assert torch.allclose(native(x), fallback(x), rtol=1e-5, atol=1e-5)
+        # any layout of the input: rows of a 3-D batch, a transposed (column-major) matrix
+        assert torch.equal(native(x.reshape(5, 1, 96)).reshape(5, 40), native(x))
+        assert torch.equal(native(x.T.contiguous().T), native(x))
 
 
 @pytest.fixture(scope="module")

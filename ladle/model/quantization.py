@@ -39,6 +39,8 @@ def dequantize_int8(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
 
 class Int8Linear(Linear):
+    """A Linear whose weight is quantised to int8 at construction (see the module docstring)."""
+
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         q, self.scales = quantize_int8(weight)
         native = kernels.native_kernels()
@@ -49,12 +51,15 @@ class Int8Linear(Linear):
         super().__init__(weight[:0], bias)  # no float copy of W
         self.out_features = weight.shape[0]
         self._int8_panels = native.pack_panels(q)
+        self._kernels = native  # the library that packed the panels computes with them
 
     def __call__(self, x: torch.Tensor, batch_invariant: bool = False) -> torch.Tensor:
-        native = kernels.native_kernels() if self._int8_panels is not None else None
-        if native is None or not (x.is_cpu and x.dim() == 2 and x.stride(1) == 1):
+        if self._int8_panels is None:
             return super().__call__(x, batch_invariant)
-        y = native.canonical_linear(x.float(), self._int8_panels, self.out_features, self._bias32, self.scales)
+        rows = x if x.dim() == 2 and x.stride(1) == 1 else x.reshape(-1, self.in_features).contiguous()
+        y = self._kernels.canonical_linear(rows.float(), self._int8_panels, self.out_features, self._bias32,
+                                           self.scales)
+        y = y.reshape(*x.shape[:-1], self.out_features)
         return y if x.dtype == torch.float32 else y.to(x.dtype)
 
     def pack(self) -> None:
