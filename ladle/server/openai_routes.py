@@ -65,12 +65,13 @@ def _sampling_params(ctx: ServerContext, req: ChatCompletionRequest | Completion
         params = req.to_sampling_params()
     except InvalidRequestError as e:
         raise _renamed(e, _renames(req)) from None
-    if tools is not None and tools.grammar is not None:
+    grammar = tools.grammar if tools is not None else None
+    if grammar is not None:
         if params.structured_outputs is not None:
-            raise InvalidRequestError(f"{params.structured_outputs.field.split('.')[0]} cannot be combined with "
-                                      f'tool_choice "{tools.mode}": the tool call is the output',
-                                      param=params.structured_outputs.field.split(".")[0])
-        params.structured_outputs = tools.grammar
+            field = params.structured_outputs.field.split(".")[0]
+            raise InvalidRequestError(f'{field} cannot be combined with tool_choice "{tools.mode}": the tool call '
+                                      "is the output", param=field)
+        params.structured_outputs = grammar
     vocab = ctx.engine.vocab_size
     if any(not 0 <= t < vocab for t in params.stop_token_ids):
         raise InvalidRequestError(f"stop_token_ids must be in [0, {vocab})", param="stop_token_ids")
