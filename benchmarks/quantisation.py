@@ -1,16 +1,21 @@
-"""Weight formats side by side: what a decode step reads, how fast each path runs, what accuracy costs.
+"""Weight and KV-cache formats side by side: bytes per token, how fast each runs, what accuracy costs.
 
-Per model and format (float32, and int8 weight-only as `--quantization int8`):
-  bytes     linear weights read per decode token (decoder layers + LM head)
-  decode    batch-1 ms/token (median step, 256-token prompt) against that format's bandwidth
-            bound (bytes per token / measured read bandwidth)
+Per model, every pair of weights (float32; int8 weight-only, `--quantization int8`) and KV cache
+(float32; int8 and fp8 e4m3 with a scale per token and head, `--kv-cache-dtype int8|fp8`):
+  MB        linear weights read per decode token (decoder layers + LM head)
+  KV tok/GiB  tokens the KV pool holds per GiB
+  decode    batch-1 ms/token (median step) after a 256-token and a 2048-token prompt, against
+            that format's bandwidth bound ((weight bytes + the context's KV bytes) / measured
+            read bandwidth)
   c16       output tok/s of 16 requests at once (256-token prompts, 64 out, ignore_eos)
   prefill   prompt tok/s (8 prompts x 512 tokens, one output token)
-  accuracy  perplexity on a fixed text and top-1 agreement with float32 at every position
+  accuracy  perplexity on a fixed ~340-token text and top-1 agreement with float32/float32
+            at every position (teacher-forced)
 
-Not yet here (issue 14): GGUF Q8_0/Q4_x served quantised, 4-bit checkpoints, the 8-bit KV cache.
+Not yet here (issue 14): GGUF Q8_0/Q4_x served quantised, 4-bit checkpoints.
 
 Usage: python benchmarks/quantisation.py [--models embedded,~/.cache/ladle/bench-models/qwen2-0.5b-shape]
+                                         [--formats none/float32,int8/int8,...]
 """
 
 from __future__ import annotations
@@ -28,13 +33,28 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import machine, random_prompt_ids, read_bandwidth_gbs  # noqa: E402
 
 from ladle import LLM, SamplingParams  # noqa: E402
+from ladle.model.attention import KVCache  # noqa: E402
 
-FORMATS = ("none", "int8")
-TEXT = ("The river rose through the night, and by morning the low fields were under water. Farmers moved their "
-        "animals to the hills, and the school opened its doors to families who had nowhere else to go. By noon "
-        "the rain had stopped, but the water kept rising for two more days, fed by the snow melting in the "
-        "mountains. When it finally fell, it left behind a layer of mud, broken fences and a town that would "
-        "spend the summer rebuilding what it had lost.")
+FORMATS = ("none/float32", "none/int8", "none/fp8", "int8/float32", "int8/int8", "int8/fp8")  # weights/KV
+TEXT = "\n\n".join([
+    "The river rose through the night, and by morning the low fields were under water. Farmers moved their "
+    "animals to the hills, and the school opened its doors to families who had nowhere else to go. By noon "
+    "the rain had stopped, but the water kept rising for two more days, fed by the snow melting in the "
+    "mountains. When it finally fell, it left behind a layer of mud, broken fences and a town that would "
+    "spend the summer rebuilding what it had lost.",
+    "Libraries have always been more than rooms full of books. In the nineteenth century they were places "
+    "where working people could educate themselves after long days in factories; today they lend laptops, "
+    "teach children to read, and offer a quiet, warm place to anyone who walks in. Their budgets are small, "
+    "but the number of people who depend on them is large and growing.",
+    "To repair a bicycle puncture, remove the wheel, lever the tyre off the rim and pull out the inner tube. "
+    "Pump a little air into the tube and listen for the hiss, or pass it through a bowl of water and watch "
+    "for bubbles. Roughen the area around the hole, apply glue, wait until it is tacky, and press the patch "
+    "firmly in place. Check the inside of the tyre for the thorn or glass that caused the damage before you "
+    "put everything back together.",
+    "The first astronomers had only their eyes. They noticed that a few bright points wandered against the "
+    "fixed pattern of the stars, and they called them planets, the wanderers. Centuries of careful records "
+    "let later thinkers work out that the earth itself is one of them, circling the sun with the others.",
+])
 
 
 def bytes_per_token(llm: LLM) -> int:
@@ -42,11 +62,12 @@ def bytes_per_token(llm: LLM) -> int:
     return sum(lin.nbytes for layer in m.layers for lin in layer.linears) + m.lm_head.nbytes
 
 
-def decode_ms(llm: LLM, steps: int = 48) -> float:
+def decode_ms(llm: LLM, prompt_len: int, steps: int = 32) -> float:
     engine = llm.engine
-    ids = random_prompt_ids(random.Random(1), 256, vocab_hi=min(40000, engine.model_config.vocab_size))
+    ids = random_prompt_ids(random.Random(1), prompt_len, vocab_hi=min(40000, engine.model_config.vocab_size))
     engine.add_request("decode", ids, SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True))
-    engine.step()  # the prefill
+    while engine.requests["decode"][0].num_computed_tokens < prompt_len:  # the prefill, in chunks
+        engine.step()
     times = []
     while engine.has_unfinished_requests():
         t = time.perf_counter()
@@ -72,10 +93,16 @@ def text_logprobs(llm: LLM) -> list:
 
 
 def measure(model: str | None, fmt: str, bandwidth: float, reference: list | None) -> dict:
-    llm = LLM(model, dtype="float32", quantization=fmt)
-    row = {"format": "float32" if fmt == "none" else fmt, "mb": bytes_per_token(llm) / 1e6}
-    row["decode_ms"] = decode_ms(llm)
-    row["bound_ms"] = row["mb"] * 1e6 / (bandwidth * 1e9) * 1e3
+    weights, kv = fmt.split("/")
+    llm = LLM(model, dtype="float32", quantization=weights, kv_cache_dtype=kv, kv_cache_memory_gib=2.0)
+    c = llm.engine.model_config
+    kv_token_bytes = KVCache.bytes_per_block(c.num_hidden_layers, 1, c.num_key_value_heads, c.head_dim,
+                                             llm.engine.kv_dtype)
+    row = {"weights": "float32" if weights == "none" else weights, "kv": kv,
+           "mb": bytes_per_token(llm) / 1e6, "kv_tokens_gib": 2**30 // kv_token_bytes}
+    for context in (256, 2048):
+        row[f"decode_{context}"] = decode_ms(llm, context)
+        row[f"bound_{context}"] = (row["mb"] * 1e6 + context * kv_token_bytes) / (bandwidth * 1e9) * 1e3
     row["c16"] = tokens_per_second(llm, 16, 256, 64)[0]
     row["prefill"] = tokens_per_second(llm, 8, 512, 1)[1]
     lps = text_logprobs(llm)
@@ -93,23 +120,27 @@ def main() -> None:
     home = Path.home() / ".cache/ladle/bench-models/qwen2-0.5b-shape"
     ap.add_argument("--models", default="embedded" + (f",{home}" if home.is_dir() else ""),
                     help="comma-separated: 'embedded' or HF folders / .gguf files")
+    ap.add_argument("--formats", default=",".join(FORMATS), help="comma-separated weights/kv pairs")
     args = ap.parse_args()
     bandwidth = read_bandwidth_gbs()
     print(f"{machine()}; read bandwidth {bandwidth:.1f} GB/s; compute float32\n", flush=True)
     for model in args.models.split(","):
         path = None if model == "embedded" else model
         rows: list[dict] = []
-        for fmt in FORMATS:
+        for fmt in args.formats.split(","):
             print(f"  {model}: {fmt} ...", flush=True)
             rows.append(measure(path, fmt, bandwidth, rows[0]["logprobs"] if rows else None))
         base = rows[0]
         print(f"\n## {Path(model).name if path else 'SmolLM2-135M-Instruct (embedded)'}\n")
-        print("| weights | MB read per token | batch-1 ms/token | bound ms | % of bound | vs float32 | "
-              "c=16 tok/s | prefill tok/s | perplexity | top-1 agreement |")
-        print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+        print("| weights | KV | weight MB per token | KV tokens per GiB | ms/token @256 (% of bound) | "
+              "ms/token @2048 (% of bound) | vs first row @256 / @2048 | c=16 tok/s | prefill tok/s | "
+              "perplexity | top-1 agreement |")
+        print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
         for r in rows:
-            print(f"| {r['format']} | {r['mb']:.0f} | {r['decode_ms']:.2f} | {r['bound_ms']:.2f} | "
-                  f"{100 * r['bound_ms'] / r['decode_ms']:.0f}% | {base['decode_ms'] / r['decode_ms']:.2f}x | "
+            print(f"| {r['weights']} | {r['kv']} | {r['mb']:.0f} | {r['kv_tokens_gib']:,} | "
+                  f"{r['decode_256']:.2f} ({100 * r['bound_256'] / r['decode_256']:.0f}%) | "
+                  f"{r['decode_2048']:.2f} ({100 * r['bound_2048'] / r['decode_2048']:.0f}%) | "
+                  f"{base['decode_256'] / r['decode_256']:.2f}x / {base['decode_2048'] / r['decode_2048']:.2f}x | "
                   f"{r['c16']:.1f} | {r['prefill']:.0f} | {r['ppl']:.3f} | {100 * r['top1']:.1f}% |", flush=True)
 
 

@@ -28,8 +28,13 @@ def text() -> str:
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_scoring_is_bit_identical_cold_cached_and_batched(smollm2_dir: Path, text: str, deterministic: bool,
                                                           kernels: str, dtype: str) -> None:
+    check_scoring_is_bit_identical(smollm2_dir, text, kernels, deterministic=deterministic, dtype=dtype)
+
+
+def check_scoring_is_bit_identical(smollm2_dir: Path, text: str, kernels: str, **engine_args) -> None:
+    """Label log-probabilities: cold, cached, batched, and from a partly shared block, all the same bits."""
     # A small token budget forces chunked prefill, so chunk boundaries differ run to run.
-    engine_args = dict(deterministic=deterministic, kv_cache_memory_gib=0.5, max_num_batched_tokens=200, dtype=dtype)
+    engine_args = dict(kv_cache_memory_gib=0.5, max_num_batched_tokens=200, **engine_args)
     llm = LLM(str(smollm2_dir), **engine_args)
     # the native case really runs the native kernels (a failed build would fall back to torch silently)
     assert (loader.native_kernels() is not None) == (kernels == "native")

@@ -152,6 +152,9 @@ def test_metrics_parse_with_vllm_names_and_count_a_request(server: Server) -> No
     assert ttft == pytest.approx(parts[0] + parts[1], abs=1e-6)
     assert after["vllm:num_requests_running"] == after["vllm:num_requests_waiting"] == 0
     assert after["vllm:kv_cache_usage_perc"] == 0.0
+    cache_info = (f"vllm:cache_config_info{{block_size={BLOCK},cache_dtype=float32,enable_prefix_caching=True,"
+                  f"num_gpu_blocks={NUM_KV_BLOCKS}}}")
+    assert after[cache_info] == 1.0
 
 
 def assert_gauges_back_at_zero(server: Server) -> None:

@@ -263,7 +263,7 @@ def test_api_key(async_engine) -> None:
 def test_ladle_serve_subprocess() -> None:
     port = free_port()
     cmd = [sys.executable, "-m", "ladle.cli", "serve", "--port", str(port), "--num-kv-blocks", "256",
-           "--uvicorn-log-level", "warning", "--served-model-name", "tiny"]
+           "--uvicorn-log-level", "warning", "--served-model-name", "tiny", "--kv-cache-dtype", "int8"]
     env = {k: v for k, v in os.environ.items() if k != "LADLE_API_KEY"}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
@@ -294,3 +294,4 @@ def test_ladle_serve_subprocess() -> None:
     assert proc.returncode == 0, out
     assert f"http://127.0.0.1:{port}/v1" in out
     assert "ladle: dtype float32 (requested)" in out and "matmuls: decode " in out  # LADLE_DTYPE from conftest
+    assert "KV cache int8 (256 blocks of 16 tokens)" in out

@@ -129,6 +129,7 @@ class AsyncEngine:
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
         self.runtime_info = engine.runtime_info()
+        self.cache_config_info = engine.cache_config_info()
         self.vocab_size = engine.model_config.vocab_size
         self.num_hidden_layers = engine.model_config.num_hidden_layers
         self.max_waiting_requests = engine.config.max_waiting_requests  # None: no bound

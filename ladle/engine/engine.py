@@ -24,6 +24,7 @@ from ladle.model import kernels
 from ladle.model.attention import KVCache
 from ladle.model.config import ModelConfig
 from ladle.model.dtype import DTYPES, canonical_name, choose_dtype
+from ladle.model.kv_quant import KV_8BIT
 from ladle.model.loader import load_weights, resolve_model_path
 from ladle.engine.runner import ModelRunner
 from ladle.engine.sampler import Sampler, token_logprob
@@ -53,14 +54,16 @@ class LLMEngine:
         self.tokenizer = Tokenizer.from_folder(folder)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.model_config.eos_token_ids)
         self.dtype = choose_dtype(config.dtype)
-        kv_name = self.dtype.name if config.kv_cache_dtype == "auto" else canonical_name(config.kv_cache_dtype)
-        self.kv_dtype = DTYPES[kv_name]
+        kv_name = self._kv_cache_dtype_name()
+        self.kv_dtype = KV_8BIT.get(kv_name) or DTYPES[kv_name]
         native = kernels.native_kernels()
         self.isa = native.isa if native is not None else "torch"
         log.info("compute dtype %s (%s); KV cache %s; native kernels: %s", self.dtype.name, self.dtype.reason,
                  kv_name, self.isa)
         num_blocks = self._num_blocks()
         pool_tokens = num_blocks * config.block_size
+        log.info("KV cache: %d blocks of %d tokens (%d tokens, %s)", num_blocks, config.block_size, pool_tokens,
+                 kv_name)
         model_len = config.max_model_len or self.model_config.max_position_embeddings
         if model_len > pool_tokens:
             log.warning("max_model_len %d exceeds the KV pool (%d tokens); capping it", model_len, pool_tokens)
@@ -82,15 +85,27 @@ class LLMEngine:
         """How this engine computes on this machine, and why (the start log and /version)."""
         routing = self.runner.model.routing
         return {"dtype": self.dtype.name, "dtype_reason": self.dtype.reason, "quantization": self.config.quantization,
-                "kv_cache_dtype": str(self.kv_dtype).removeprefix("torch."), "kernels": self.isa,
+                "kv_cache_dtype": self._kv_cache_dtype_name(), "kernels": self.isa,
                 "matmul": f"decode {routing.decode}, prefill {routing.prefill}"}
+
+    def cache_config_info(self) -> dict[str, str]:
+        """The KV pool as vLLM's `vllm:cache_config_info` labels it (blocks are CPU blocks here)."""
+        return {"block_size": str(self.config.block_size), "cache_dtype": self._kv_cache_dtype_name(),
+                "num_gpu_blocks": str(self.kv.num_blocks),
+                "enable_prefix_caching": str(self.config.enable_prefix_caching)}
+
+    def _kv_cache_dtype_name(self) -> str:
+        name = self.config.kv_cache_dtype
+        if name == "auto":
+            return self.dtype.name
+        return "fp8_e4m3" if name == "fp8" else name if name in KV_8BIT else canonical_name(name)
 
     def _num_blocks(self) -> int:
         if self.config.num_kv_blocks:
             return self.config.num_kv_blocks
         c = self.model_config
         per_block = KVCache.bytes_per_block(c.num_hidden_layers, self.config.block_size, c.num_key_value_heads,
-                                            c.head_dim, self.kv_dtype.itemsize)
+                                            c.head_dim, self.kv_dtype)
         return max(1, int(self.config.kv_cache_memory_gib * 2**30) // per_block)
 
     # -- requests -------------------------------------------------------------

@@ -14,7 +14,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from ladle.model import kernels
+from ladle.model import kernels, kv_quant
 
 
 @dataclass
@@ -84,23 +84,42 @@ class AttentionBackend(Protocol):
 
 
 class KVCache:
-    """Preallocated K and V storage: [layers, blocks, block_size, kv_heads, head_dim] each."""
+    """Preallocated K and V storage: [layers, blocks, block_size, kv_heads, head_dim] each.
+
+    An 8-bit cache (int8 or fp8 e4m3, ladle.model.kv_quant) also holds a float32 scale per
+    slot and KV head: k_scale, v_scale [layers, blocks, block_size, kv_heads].
+    """
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
         shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
         self.k = _zeros(shape, dtype, device)
         self.v = _zeros(shape, dtype, device)
+        self.k_scale = self.v_scale = None
+        if kv_quant.is_8bit(dtype):
+            self.k_scale = _zeros(shape[:-1], torch.float32, device)
+            self.v_scale = _zeros(shape[:-1], torch.float32, device)
         self.block_size = block_size
 
-    def copy_prefix(self, src: int, dst: int, num_tokens: int) -> None:
-        """The first num_tokens slots of block src, every layer, into block dst."""
-        self.k[:, dst, :num_tokens] = self.k[:, src, :num_tokens]
-        self.v[:, dst, :num_tokens] = self.v[:, src, :num_tokens]
+    @property
+    def quantized(self) -> bool:
+        return self.k_scale is not None
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Everything held per slot, layer first: K, V and an 8-bit cache's scales."""
+        return [self.k, self.v] + ([self.k_scale, self.v_scale] if self.quantized else [])
+
+    def copy_prefix(self, src: int, dst: int, num_tokens: int, layer: int | None = None) -> None:
+        """The first num_tokens slots of block src into block dst, in one layer or every layer."""
+        layers = slice(None) if layer is None else layer
+        for t in self.tensors():
+            t[layers, dst, :num_tokens] = t[layers, src, :num_tokens]
 
     @staticmethod
-    def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, itemsize: int = 4) -> int:
-        return 2 * num_layers * block_size * num_kv_heads * head_dim * itemsize
+    def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
+                        dtype: torch.dtype = torch.float32) -> int:
+        per_head = head_dim * dtype.itemsize + (4 if kv_quant.is_8bit(dtype) else 0)
+        return 2 * num_layers * block_size * num_kv_heads * per_head
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.device) -> torch.Tensor:
@@ -128,9 +147,10 @@ class TorchPagedAttention:
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        # float32 caches take every native kernel, bfloat16 ones the prompt kernel (decodes
-        # included) and the K/V writes; anything else stays on torch
-        self._native_ok = cache.k.dtype in (torch.float32, torch.bfloat16) and cache.k.is_cpu
+        # float32 caches take every native kernel; bfloat16 and 8-bit ones the prompt kernel
+        # (decodes included) and the K/V writes; anything else stays on torch
+        self._native_ok = cache.k.dtype in (torch.float32, torch.bfloat16, torch.int8, torch.float8_e4m3fn) \
+            and cache.k.is_cpu
         self._decode_kernel_ok = self._native_ok and cache.k.dtype == torch.float32
         self._prompt_kernel_ok = self._native_ok and head_dim % 8 == 0 and cache.block_size % 8 == 0
 
@@ -141,17 +161,41 @@ class TorchPagedAttention:
         return None
 
     def write_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
+        if self.cache.quantized:
+            self._write_quantized(layer, k, v, meta.slot_mapping)
+        else:
+            self._write(layer, k, v, meta.slot_mapping)
+        for src, dst, n in meta.in_step_copies:  # in order: a source may itself be a destination
+            self.cache.copy_prefix(src, dst, n, layer)
+
+    def _write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         same_dtype = k.dtype == v.dtype == self.cache.k.dtype
         native = self._native(k, v) if same_dtype else None
         if native is not None:  # a copy per token, where index_copy_ costs several microseconds
-            native.write_kv(k, v, self.cache.k[layer], self.cache.v[layer], meta.slot_mapping)
-        else:
-            flat = (-1, self.num_kv_heads, self.head_dim)
-            self.cache.k[layer].view(flat).index_copy_(0, meta.slot_mapping, k.to(self.cache.k.dtype))
-            self.cache.v[layer].view(flat).index_copy_(0, meta.slot_mapping, v.to(self.cache.v.dtype))
-        for src, dst, n in meta.in_step_copies:  # in order: a source may itself be a destination
-            self.cache.k[layer, dst, :n] = self.cache.k[layer, src, :n]
-            self.cache.v[layer, dst, :n] = self.cache.v[layer, src, :n]
+            native.write_kv(k, v, self.cache.k[layer], self.cache.v[layer], slots)
+            return
+        flat = (-1, self.num_kv_heads, self.head_dim)
+        self.cache.k[layer].view(flat).index_copy_(0, slots, k.to(self.cache.k.dtype))
+        self.cache.v[layer].view(flat).index_copy_(0, slots, v.to(self.cache.v.dtype))
+
+    def _write_quantized(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+        c = self.cache
+        k, v = k.float(), v.float()
+        native = self._native(k, v)
+        if native is not None:
+            native.write_kv_quantized(k, v, c.k[layer], c.v[layer], c.k_scale[layer], c.v_scale[layer], slots)
+            return
+        flat = (-1, self.num_kv_heads, self.head_dim)
+        for x, values, scales in ((k, c.k[layer], c.k_scale[layer]), (v, c.v[layer], c.v_scale[layer])):
+            q, s = kv_quant.quantize(x, values.dtype)
+            values.view(torch.uint8).view(flat).index_copy_(0, slots, q.view(torch.uint8))  # no fp8 index_copy_
+            scales.view(flat[:-1]).index_copy_(0, slots, s)
+
+    def _scales(self, layer: int) -> dict[str, torch.Tensor]:
+        """The prompt kernel's scale arguments for this layer (none for a float cache)."""
+        if not self.cache.quantized:
+            return {}
+        return {"k_scales": self.cache.k_scale[layer], "v_scales": self.cache.v_scale[layer]}
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, KVH, D] (this step's tokens, already in the cache). Returns [T, H*D]."""
@@ -170,18 +214,23 @@ class TorchPagedAttention:
             rows = meta.canonical
             o32 = out if out.dtype == torch.float32 else torch.empty_like(out, dtype=torch.float32)
             native.prompt_attention(q.float(), self.cache.k[layer], self.cache.v[layer], rows.block_tables,
-                                    rows.row_starts, rows.row_counts, rows.first_positions, self.head_dim**-0.5, o32)
+                                    rows.row_starts, rows.row_counts, rows.first_positions, self.head_dim**-0.5, o32,
+                                    **self._scales(layer))
             if o32 is not out:
                 for span in meta.prefills:
                     if span.canonical:
                         out[span.start : span.end] = o32[span.start : span.end]
         return out
 
-    def _gather(self, cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
-        """Blocks -> one contiguous run per sequence: [..., tokens, KVH, D]."""
+    def _gather(self, layer: int, which: str, block_table: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """One layer's K or V (`which`), blocks -> one contiguous run per sequence:
+        [..., tokens, KVH, D] in dtype (an 8-bit cache dequantised)."""
         # index_select copies whole blocks; several times faster than advanced indexing.
-        blocks = cache.index_select(0, block_table.flatten())
-        return blocks.view(*block_table.shape[:-1], -1, self.num_kv_heads, self.head_dim)
+        flat = block_table.flatten()
+        blocks = getattr(self.cache, which)[layer].index_select(0, flat)
+        if self.cache.quantized:
+            blocks = kv_quant.dequantize(blocks, getattr(self.cache, f"{which}_scale")[layer].index_select(0, flat))
+        return blocks.to(dtype).view(*block_table.shape[:-1], -1, self.num_kv_heads, self.head_dim)
 
     def _decode(self, layer: int, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         native = self._native(q) if meta.decode_context_lens is not None else None
@@ -191,7 +240,8 @@ class TorchPagedAttention:
             rows = meta.decode_rows
             out = torch.empty(q.shape[0], self.num_heads * self.head_dim, dtype=torch.float32)
             native.prompt_attention(q.float(), self.cache.k[layer], self.cache.v[layer], rows.block_tables,
-                                    rows.row_starts, rows.row_counts, rows.first_positions, self.head_dim**-0.5, out)
+                                    rows.row_starts, rows.row_counts, rows.first_positions, self.head_dim**-0.5, out,
+                                    **self._scales(layer))
             return out.to(q.dtype)
         if native is not None and self._decode_kernel_ok and q.dtype == torch.float32:  # K/V read in place
             return native.decode_attention(q, self.cache.k[layer], self.cache.v[layer], meta.decode_block_tables,
@@ -201,21 +251,21 @@ class TorchPagedAttention:
         # Grouped-query trick: the heads sharing one KV head attend as a group, so K/V
         # are never repeated.
         qg = q.view(b, self.num_kv_heads, group, self.head_dim)
-        k = self._gather(self.cache.k[layer], meta.decode_block_tables).transpose(1, 2)
-        v = self._gather(self.cache.v[layer], meta.decode_block_tables).transpose(1, 2)
+        k = self._gather(layer, "k", meta.decode_block_tables, q.dtype).transpose(1, 2)
+        v = self._gather(layer, "v", meta.decode_block_tables, q.dtype).transpose(1, 2)
         o = F.scaled_dot_product_attention(qg, k, v, attn_mask=meta.decode_mask)
         return o.reshape(b, self.num_heads * self.head_dim)
 
     def _prefill(self, layer: int, span: PrefillSpan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         n = span.end - span.start
         qs = q[span.start : span.end].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
-        if span.context_len == n:  # nothing cached before this chunk: attend to the fresh K/V
+        if span.context_len == n and not self.cache.quantized:  # nothing cached before: the fresh K/V
             ks = k[span.start : span.end]
             vs = v[span.start : span.end]
             mask, causal = None, True
-        else:
-            ks = self._gather(self.cache.k[layer], span.block_table)[: span.context_len]
-            vs = self._gather(self.cache.v[layer], span.block_table)[: span.context_len]
+        else:  # an 8-bit cache is read even for fresh tokens, so every path sees the same K/V
+            ks = self._gather(layer, "k", span.block_table, q.dtype)[: span.context_len]
+            vs = self._gather(layer, "v", span.block_table, q.dtype)[: span.context_len]
             mask = torch.ones(n, span.context_len, dtype=torch.bool).tril(span.context_len - n)
             causal = False
         ks = ks.transpose(0, 1).unsqueeze(0)
@@ -230,8 +280,8 @@ class TorchPagedAttention:
         bs = self.cache.block_size
         n = span.end - span.start
         first = span.context_len - n  # absolute position of the span's first query
-        keys = self._gather(self.cache.k[layer], span.block_table)[: span.context_len].transpose(0, 1)
-        values = self._gather(self.cache.v[layer], span.block_table)[: span.context_len].transpose(0, 1)
+        keys = self._gather(layer, "k", span.block_table, q.dtype)[: span.context_len].transpose(0, 1)
+        values = self._gather(layer, "v", span.block_table, q.dtype)[: span.context_len].transpose(0, 1)
         out = []
         pos = first
         while pos < span.context_len:

@@ -64,10 +64,11 @@ def run(args: argparse.Namespace) -> int:
                      max_body_bytes=args.max_request_body_bytes or DEFAULT_MAX_BODY_BYTES,
                      tool_call_parser=tool_call_parser)
     host = f"[{args.host}]" if ":" in args.host else args.host
-    info = engine.runtime_info
+    info, cache = engine.runtime_info, engine.cache_config_info
     print(f"ladle: serving {name} (max_model_len {engine.max_model_len}) at http://{host}:{args.port}/v1\n"
           f"ladle: dtype {info['dtype']} ({info['dtype_reason']}); weights {info['quantization']}; "
-          f"KV cache {info['kv_cache_dtype']}; kernels {info['kernels']}; matmuls: {info['matmul']}",
+          f"KV cache {info['kv_cache_dtype']} ({cache['num_gpu_blocks']} blocks of {cache['block_size']} tokens); "
+          f"kernels {info['kernels']}; matmuls: {info['matmul']}",
           file=sys.stderr, flush=True)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level, timeout_keep_alive=30)

@@ -68,6 +68,11 @@ class EngineStateCollector:
             family = kind(name, doc, labels=["model_name"])
             family.add_metric([self.model_name], value)
             yield family
+        cache = self.engine.cache_config_info
+        family = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
+                                   labels=["model_name", *cache])
+        family.add_metric([self.model_name, *cache.values()], 1.0)
+        yield family
 
 
 class Metrics:

@@ -4,7 +4,8 @@
 // Decode: one query token per sequence. Replaces the torch path, whose fixed costs dominate
 // at decode sizes; and the index_copy_ that writes the new K/V.
 //
-// Prompt rows, row-invariant (K/V in float32 or bfloat16): each query row is computed by
+// Prompt rows, row-invariant (K/V in float32, bfloat16, or 8 bits with a scale per token and
+// KV head): each query row is computed by
 // the same sequence of operations whatever else shares the call (other rows of its chunk,
 // other sequences, where its chunk began), so a prompt scored cold, from a cached prefix or
 // inside any batch gives bit-identical outputs. Scoring, --deterministic and every decode
@@ -16,6 +17,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -146,6 +148,68 @@ extern "C" int ladle_write_kv(const void* k, int64_t k_stride, const void* v, in
   for (int64_t t = 0; t < count; ++t) {
     std::memcpy(static_cast<char*>(k_cache) + slots[t] * width * elem, ks + t * k_stride * elem, width * elem);
     std::memcpy(static_cast<char*>(v_cache) + slots[t] * width * elem, vs + t * v_stride * elem, width * elem);
+  }
+  return 0;
+}
+
+namespace {
+
+// Nearest e4m3 to x (|x| <= 448), ties to even, from x's bits.
+uint8_t to_e4m3(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  const uint8_t sign = (bits >> 24) & 0x80;
+  bits &= 0x7FFFFFFF;
+  if (bits >= 0x43E00000) return sign | 0x7E;  // 448, the largest finite e4m3
+  if (bits < 0x3C800000) {  // below 2^-6: subnormal, a multiple of 2^-9
+    float magnitude;
+    std::memcpy(&magnitude, &bits, sizeof magnitude);
+    return sign | static_cast<uint8_t>(std::nearbyint(magnitude * 512.0f));  // 8 rounds up to 2^-6
+  }
+  const uint32_t rounded = (bits + 0x7FFFF + ((bits >> 20) & 1)) >> 20;  // 8 exponent + 3 mantissa bits
+  return sign | static_cast<uint8_t>(rounded - (120 << 3));  // rebias the exponent: 127 -> 7
+}
+
+// One token's `d` values of one head: their scale (max |x| / qmax), and x / scale rounded.
+template <bool kFp8>
+float quantize_head(const float* x, int64_t d, uint8_t* q) {
+  float absmax = 0;
+  for (int64_t i = 0; i < d; ++i) absmax = std::max(absmax, std::fabs(x[i]));
+  const float qmax = kFp8 ? 448.0f : 127.0f;
+  const float inv = absmax > 0 ? qmax / absmax : 0.0f;
+  for (int64_t i = 0; i < d; ++i) {
+    const float y = x[i] * inv;
+    q[i] = kFp8 ? to_e4m3(y) : static_cast<uint8_t>(static_cast<int8_t>(std::clamp(std::nearbyint(y), -127.0f, 127.0f)));
+  }
+  return absmax / qmax;
+}
+
+template <bool kFp8>
+void write_quantized(const float* x, int64_t stride, uint8_t* cache, float* scales, const int64_t* slots,
+                     int64_t count, int64_t kv_heads, int64_t d) {
+  for (int64_t t = 0; t < count; ++t)
+    for (int64_t h = 0; h < kv_heads; ++h)
+      scales[slots[t] * kv_heads + h] = quantize_head<kFp8>(x + t * stride + h * d, d, cache + (slots[t] * kv_heads + h) * d);
+}
+
+}  // namespace
+
+// The same for an 8-bit cache (int8, or fp8 e4m3 if fp8): float32 rows quantised per token and
+// KV head, each head's scale into k_scales / v_scales [num_slots, kv_heads].
+extern "C" int ladle_write_kv_quantized(const float* k, int64_t k_stride, const float* v, int64_t v_stride,
+                                        void* k_cache, void* v_cache, float* k_scales, float* v_scales,
+                                        int64_t num_slots, const int64_t* slots, int64_t count, int64_t kv_heads,
+                                        int64_t d, int fp8) {
+  for (int64_t t = 0; t < count; ++t)
+    if (slots[t] < 0 || slots[t] >= num_slots) return -1;
+  auto* kc = static_cast<uint8_t*>(k_cache);
+  auto* vc = static_cast<uint8_t*>(v_cache);
+  if (fp8) {
+    write_quantized<true>(k, k_stride, kc, k_scales, slots, count, kv_heads, d);
+    write_quantized<true>(v, v_stride, vc, v_scales, slots, count, kv_heads, d);
+  } else {
+    write_quantized<false>(k, k_stride, kc, k_scales, slots, count, kv_heads, d);
+    write_quantized<false>(v, v_stride, vc, v_scales, slots, count, kv_heads, d);
   }
   return 0;
 }
@@ -286,7 +350,14 @@ void add_weighted_values(const float* w, const KV* v, int64_t value_stride, int6
 }
 
 struct PromptScratch {
-  std::vector<float> scores, acc, inv_sum;
+  std::vector<float> scores, acc, inv_sum, weights;
+};
+
+// An 8-bit cache's scales, one float per slot and KV head ([num_blocks, block_size, kv_heads]);
+// both null for float caches.
+struct KVScales {
+  const float* k = nullptr;
+  const float* v = nullptr;
 };
 
 // The d values of one KV head at each of a block's n slots (slot stride `stride`) into L2:
@@ -305,8 +376,8 @@ inline void prefetch_block(const KV* first, int64_t stride, int64_t n, int64_t d
 // rows), then each row's softmax, then the values block by block.
 template <typename KV>
 void attend_prompt_rows(const PromptTask& t, const float* q, int64_t q_stride, const KV* k_cache,
-                        const KV* v_cache, const int64_t* table, int64_t first_pos, int64_t heads,
-                        int64_t kv_heads, int64_t d, int64_t block_size, float scale, float* out,
+                        const KV* v_cache, KVScales scales, const int64_t* table, int64_t first_pos,
+                        int64_t heads, int64_t kv_heads, int64_t d, int64_t block_size, float scale, float* out,
                         int64_t out_stride, PromptScratch& scratch) {
   const int64_t group = heads / kv_heads, vectors = group * t.rows;
   const int64_t last_pos = first_pos + t.rows - 1;
@@ -319,6 +390,8 @@ void attend_prompt_rows(const PromptTask& t, const float* q, int64_t q_stride, c
   auto keys_of = [&](int64_t v) { return first_pos + v / group + 1; };  // causal: keys [0, pos]
 
   auto block_of = [&](const KV* cache, int64_t b) { return cache + (table[b] * block_size * kv_heads + t.kv_head) * d; };
+  // the scale of slot j of block b is scales_of(...)[j * kv_heads]
+  auto scales_of = [&](const float* s, int64_t b) { return s + table[b] * block_size * kv_heads + t.kv_head; };
   for (int64_t b = 0; b < blocks; ++b) {
     const int64_t start = b * block_size;
     const KV* k = block_of(k_cache, b);
@@ -334,6 +407,11 @@ void attend_prompt_rows(const PromptTask& t, const float* q, int64_t q_stride, c
     if (v < vectors)
       for (int64_t j = 0; j < std::min(block_size, keys_of(v) - start); j += 8)
         scores8(query(v), k + j * key_stride, key_stride, d, scale, scores(v) + j);
+    if (scales.k) {  // each key's scale, after its dot product
+      const float* ks = scales_of(scales.k, b);
+      for (int64_t w = first_vector; w < vectors; ++w)
+        for (int64_t j = 0; j < std::min(block_size, keys_of(w) - start); ++j) scores(w)[j] *= ks[j * kv_heads];
+    }
   }
   scratch.inv_sum.resize(vectors);
   for (int64_t v = 0; v < vectors; ++v)
@@ -343,10 +421,16 @@ void attend_prompt_rows(const PromptTask& t, const float* q, int64_t q_stride, c
     const KV* values = block_of(v_cache, b);
     if (b + 1 < blocks) prefetch_block(block_of(v_cache, b + 1), key_stride, block_size, d);
     const int64_t first_vector = std::max<int64_t>(0, start - first_pos) * group;
+    const float* vs = scales.v ? scales_of(scales.v, b) : nullptr;
     for (int64_t v = first_vector; v < vectors; ++v) {
       const int64_t n = std::min(block_size, keys_of(v) - start);
-      add_weighted_values(scratch.scores.data() + v * width + start, values, key_stride, n, d,
-                          scratch.acc.data() + v * d);
+      const float* w = scratch.scores.data() + v * width + start;
+      if (vs) {  // each value's scale folded into its weight
+        scratch.weights.resize(block_size);
+        for (int64_t j = 0; j < n; ++j) scratch.weights[j] = w[j] * vs[j * kv_heads];
+        w = scratch.weights.data();
+      }
+      add_weighted_values(w, values, key_stride, n, d, scratch.acc.data() + v * d);
     }
   }
   for (int64_t v = 0; v < vectors; ++v) {
@@ -362,10 +446,12 @@ void attend_prompt_rows(const PromptTask& t, const float* q, int64_t q_stride, c
 // row_counts[s]) of q and out, at absolute positions first_positions[s] onwards; each row
 // attends to keys [0, its position] of the blocks in block_tables[s], which must already
 // hold this step's K/V. q rows are q_stride apart, each [heads, d]; out rows out_stride apart.
+// kv_type: 0 float32, 1 bfloat16, 2 int8, 3 fp8 e4m3 (the 8-bit ones with k_scales, v_scales).
 // Returns 0; -1 (computing nothing) if a table or position points outside the cache; -2 if
 // d or block_size is not a multiple of 8.
 extern "C" int ladle_prompt_attention(const float* q, int64_t q_stride, const void* k_cache, const void* v_cache,
-                                      int kv_bf16, int64_t num_blocks, const int64_t* block_tables,
+                                      int kv_type, const float* k_scales, const float* v_scales,
+                                      int64_t num_blocks, const int64_t* block_tables,
                                       int64_t max_blocks, const int64_t* row_starts, const int64_t* row_counts,
                                       const int64_t* first_positions, float* out, int64_t out_stride,
                                       int64_t num_seqs, int64_t heads, int64_t kv_heads, int64_t d,
@@ -394,12 +480,17 @@ extern "C" int ladle_prompt_attention(const float* q, int64_t q_stride, const vo
       const PromptTask& t = tasks[i];
       const int64_t first_pos = first_positions[t.seq] + (t.first_row - row_starts[t.seq]);
       const int64_t* table = block_tables + t.seq * max_blocks;
-      if (kv_bf16)
-        attend_prompt_rows(t, q, q_stride, static_cast<const uint16_t*>(k_cache), static_cast<const uint16_t*>(v_cache),
+      auto attend = [&](auto* kv_type_tag, KVScales scales) {
+        using KV = std::remove_const_t<std::remove_pointer_t<decltype(kv_type_tag)>>;
+        attend_prompt_rows(t, q, q_stride, static_cast<const KV*>(k_cache), static_cast<const KV*>(v_cache), scales,
                            table, first_pos, heads, kv_heads, d, block_size, scale, out, out_stride, scratch);
-      else
-        attend_prompt_rows(t, q, q_stride, static_cast<const float*>(k_cache), static_cast<const float*>(v_cache),
-                           table, first_pos, heads, kv_heads, d, block_size, scale, out, out_stride, scratch);
+      };
+      switch (kv_type) {
+        case 1: attend(static_cast<uint16_t*>(nullptr), {}); break;
+        case 2: attend(static_cast<int8_t*>(nullptr), {k_scales, v_scales}); break;
+        case 3: attend(static_cast<fp8_e4m3*>(nullptr), {k_scales, v_scales}); break;
+        default: attend(static_cast<float*>(nullptr), {}); break;
+      }
     }
   }
   return 0;

@@ -31,6 +31,7 @@ ISAS = ("avx512", "avx2", "scalar")  # best first
 _ISA_FLAGS = {"avx512": [], "avx2": ["-mno-avx512f"], "scalar": ["-mno-avx"]}
 _SOURCES = sorted(Path(__file__).parent.glob("*.cpp"))
 _WEIGHT_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}  # canonical_linear.cpp's WeightType
+_KV_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2, torch.float8_e4m3fn: 3}  # attention.cpp's kv_type
 _lock = threading.Lock()
 _loaded = False
 _kernels: NativeKernels | None = None
@@ -56,12 +57,16 @@ class NativeKernels:
             ctypes.c_float, ctypes.c_int]
         self._decode_attention.restype = ctypes.c_int
         self._prompt_attention = lib.ladle_prompt_attention
-        self._prompt_attention.argtypes = [ptr, i64, ptr, ptr, ctypes.c_int, i64, ptr, i64, ptr, ptr, ptr, ptr] + [
-            i64] * 6 + [ctypes.c_float, ctypes.c_int]
+        self._prompt_attention.argtypes = [ptr, i64, ptr, ptr, ctypes.c_int, ptr, ptr, i64, ptr, i64, ptr, ptr, ptr,
+                                           ptr] + [i64] * 6 + [ctypes.c_float, ctypes.c_int]
         self._prompt_attention.restype = ctypes.c_int
         self._write_kv = lib.ladle_write_kv
         self._write_kv.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, ptr, i64, i64, i64]
         self._write_kv.restype = ctypes.c_int
+        self._write_kv_quantized = lib.ladle_write_kv_quantized
+        self._write_kv_quantized.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64,
+                                             ctypes.c_int]
+        self._write_kv_quantized.restype = ctypes.c_int
         self._pack_panels = lib.ladle_pack_panels
         self._pack_panels.argtypes = [ptr, ptr, i64, i64, ctypes.c_int]
         self._pack_panels.restype = None
@@ -131,15 +136,21 @@ class NativeKernels:
 
     def prompt_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          block_tables: torch.Tensor, row_starts: torch.Tensor, row_counts: torch.Tensor,
-                         first_positions: torch.Tensor, scale: float, out: torch.Tensor) -> None:
+                         first_positions: torch.Tensor, scale: float, out: torch.Tensor,
+                         k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None) -> None:
         """Causal attention for prompt rows, each row on its own (row-invariant): sequence s owns
         rows [row_starts[s], + row_counts[s]) of q [T, H, D] (float32, rows may be strided) and of
         out [T, H * D] (float32, written), at positions first_positions[s] onwards, over the blocks
-        of block_tables[s] (int64 [S, max_blocks]); caches in float32 or bfloat16. D and the block
-        size must be multiples of 8."""
+        of block_tables[s] (int64 [S, max_blocks]); caches in float32, bfloat16, or int8 / fp8 e4m3
+        with their float32 scales [blocks, block_size, KVH]. D and the block size must be
+        multiples of 8."""
         num_blocks, block_size, kv_heads, d = k_cache.shape
+        kv_type = _KV_TYPES[k_cache.dtype]
+        if (kv_type >= 2) != (k_scales is not None and v_scales is not None):
+            raise ValueError("scales go with 8-bit caches, and only with them")
         status = self._prompt_attention(
-            q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), int(k_cache.dtype == torch.bfloat16),
+            q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), kv_type,
+            None if k_scales is None else k_scales.data_ptr(), None if v_scales is None else v_scales.data_ptr(),
             num_blocks, block_tables.data_ptr(),
             block_tables.shape[1], row_starts.data_ptr(), row_counts.data_ptr(), first_positions.data_ptr(),
             out.data_ptr(), out.stride(0), block_tables.shape[0], q.shape[1], kv_heads, d, block_size, scale,
@@ -157,6 +168,18 @@ class NativeKernels:
         if self._write_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k_cache.data_ptr(),
                           v_cache.data_ptr(), k_cache.numel() // width, slots.data_ptr(), k.shape[0], width,
                           k.element_size()):
+            raise IndexError("write_kv: a slot is outside the KV cache")
+
+    def write_kv_quantized(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           k_scales: torch.Tensor, v_scales: torch.Tensor, slots: torch.Tensor) -> None:
+        """k, v [T, KVH, D] (float32, rows may be strided) into an int8 or fp8 e4m3 cache at
+        `slots`, each token's head scaled by its own max |x| (its scale into k_scales / v_scales
+        [blocks, block_size, KVH])."""
+        _, _, kv_heads, d = k_cache.shape
+        if self._write_kv_quantized(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k_cache.data_ptr(),
+                                    v_cache.data_ptr(), k_scales.data_ptr(), v_scales.data_ptr(),
+                                    k_scales.numel() // kv_heads, slots.data_ptr(), k.shape[0], kv_heads, d,
+                                    int(k_cache.dtype == torch.float8_e4m3fn)):
             raise IndexError("write_kv: a slot is outside the KV cache")
 
 

@@ -3,15 +3,25 @@
 
 #include <immintrin.h>
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
 constexpr int64_t kCacheLine = 64;  // bytes: the unit of the kernels' software prefetches
 
-// K/V caches hold float32 or bfloat16 (its bits as uint16_t); kernels widen bf16 on load, exactly.
-// Quantised weights are int8 (their scale applied after the sum).
+// K/V caches hold float32, bfloat16 (its bits as uint16_t), int8 or fp8 e4m3; kernels widen each
+// on load, exactly. Quantised weights are int8. Scales are applied after the sums.
+struct fp8_e4m3 {
+  uint8_t bits;  // sign, 4 exponent bits (bias 7), 3 mantissa bits; no infinities
+};
+
 inline float to_float(float x) { return x; }
 inline float to_float(int8_t q) { return static_cast<float>(q); }
+inline float to_float(fp8_e4m3 x) {
+  const int e = (x.bits >> 3) & 15, m = x.bits & 7;
+  const float magnitude = e ? std::ldexp(1.0f + m / 8.0f, e - 7) : std::ldexp(m / 8.0f, -6);
+  return x.bits & 0x80 ? -magnitude : magnitude;
+}
 inline float to_float(uint16_t h) {
   const uint32_t bits = static_cast<uint32_t>(h) << 16;
   float f;
@@ -34,5 +44,13 @@ inline __m256 load8(const uint16_t* p) {
 }
 inline __m256 load8(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+}
+// e4m3's bits moved into a half's (exponent into its low 4 exponent bits, mantissa on top) make
+// a half worth exactly 2^-8 times as much, subnormals included: widen that, scale back by 2^8.
+inline __m256 load8(const fp8_e4m3* p) {
+  const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i*)p));
+  const __m128i sign = _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8);
+  const __m128i rest = _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7F)), 7);
+  return _mm256_mul_ps(_mm256_cvtph_ps(_mm_or_si128(sign, rest)), _mm256_set1_ps(256.0f));
 }
 #endif
