@@ -38,6 +38,9 @@ class ScriptedEngine:
     def runtime_info(self) -> dict[str, str]:
         return {"dtype": "scripted"}
 
+    def cache_config_info(self) -> dict[str, str]:
+        return {"num_gpu_blocks": "8"}
+
     def add_request(self, request_id, prompt, params, priority=0, arrival_time=None):
         self.threads.add(threading.get_ident())
         if not prompt:
