@@ -1,7 +1,9 @@
 """Weight and KV-cache formats side by side: bytes per token, how fast each runs, what accuracy costs.
 
-Per model, every pair of weights (float32; int8 weight-only, `--quantization int8`) and KV cache
-(float32; int8 and fp8 e4m3 with a scale per token and head, `--kv-cache-dtype int8|fp8`):
+Per model, each weight format it has (a float checkpoint: float32, and int8 per row quantised at
+load, `--quantization int8`; a GGUF: float32 dequantised, `--quantization none`, and its
+Q8_0/Q4_0/Q4_1 blocks served as they are, the default `auto`), each with each KV cache (float32;
+int8 or fp8 e4m3 with a scale per token and head, `--kv-cache-dtype`):
   MB        linear weights read per decode token (decoder layers + LM head)
   KV tok/GiB  tokens the KV pool holds per GiB
   decode    batch-1 ms/token (median step) after a 256-token and a 2048-token prompt, against
@@ -9,13 +11,13 @@ Per model, every pair of weights (float32; int8 weight-only, `--quantization int
             read bandwidth)
   c16       output tok/s of 16 requests at once (256-token prompts, 64 out, ignore_eos)
   prefill   prompt tok/s (8 prompts x 512 tokens, one output token)
-  accuracy  perplexity on a fixed ~340-token text and top-1 agreement with float32/float32
-            at every position (teacher-forced)
+  accuracy  perplexity on a fixed ~340-token text and top-1 agreement with the model's first
+            row (float32 weights and KV) at every position (teacher-forced)
 
-Not yet here (issue 14): GGUF Q8_0/Q4_x served quantised, 4-bit checkpoints.
+Not yet here (issue 14): 4-bit checkpoints (GPTQ/AWQ).
 
-Usage: python benchmarks/quantisation.py [--models embedded,~/.cache/ladle/bench-models/qwen2-0.5b-shape]
-                                         [--formats none/float32,int8/int8,...]
+Usage: python benchmarks/quantisation.py [--models embedded,~/.cache/ladle/bench-models/qwen2-0.5b-shape,x.gguf]
+                                         [--kv float32,int8,fp8]
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from common import machine, random_prompt_ids, read_bandwidth_gbs  # noqa: E402
 from ladle import LLM, SamplingParams  # noqa: E402
 from ladle.model.attention import KVCache  # noqa: E402
 
-FORMATS = ("none/float32", "none/int8", "none/fp8", "int8/float32", "int8/int8", "int8/fp8")  # weights/KV
+WEIGHTS = {"none": "float32", "int8": "int8 per row", "auto": "GGUF blocks"}  # --quantization -> row label
 TEXT = "\n\n".join([
     "The river rose through the night, and by morning the low fields were under water. Farmers moved their "
     "animals to the hills, and the school opened its doors to families who had nowhere else to go. By noon "
@@ -92,13 +94,17 @@ def text_logprobs(llm: LLM) -> list:
     return llm.generate([ids], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1))[0].prompt_logprobs[1:]
 
 
-def measure(model: str | None, fmt: str, bandwidth: float, reference: list | None) -> dict:
-    weights, kv = fmt.split("/")
+def weight_formats(model: str | None) -> list[str]:
+    """The --quantization values that give this model's distinct weight formats."""
+    return ["none", "auto"] if model is None or model.endswith(".gguf") else ["none", "int8"]
+
+
+def measure(model: str | None, weights: str, kv: str, bandwidth: float, reference: list | None) -> dict:
     llm = LLM(model, dtype="float32", quantization=weights, kv_cache_dtype=kv, kv_cache_memory_gib=2.0)
     c = llm.engine.model_config
     kv_token_bytes = KVCache.bytes_per_block(c.num_hidden_layers, 1, c.num_key_value_heads, c.head_dim,
                                              llm.engine.kv_dtype)
-    row = {"weights": "float32" if weights == "none" else weights, "kv": kv,
+    row = {"weights": WEIGHTS[weights], "kv": kv,
            "mb": bytes_per_token(llm) / 1e6, "kv_tokens_gib": 2**30 // kv_token_bytes}
     for context in (256, 2048):
         row[f"decode_{context}"] = decode_ms(llm, context)
@@ -120,16 +126,17 @@ def main() -> None:
     home = Path.home() / ".cache/ladle/bench-models/qwen2-0.5b-shape"
     ap.add_argument("--models", default="embedded" + (f",{home}" if home.is_dir() else ""),
                     help="comma-separated: 'embedded' or HF folders / .gguf files")
-    ap.add_argument("--formats", default=",".join(FORMATS), help="comma-separated weights/kv pairs")
+    ap.add_argument("--kv", default="float32,int8", help="comma-separated KV cache dtypes")
     args = ap.parse_args()
     bandwidth = read_bandwidth_gbs()
     print(f"{machine()}; read bandwidth {bandwidth:.1f} GB/s; compute float32\n", flush=True)
     for model in args.models.split(","):
         path = None if model == "embedded" else model
         rows: list[dict] = []
-        for fmt in args.formats.split(","):
-            print(f"  {model}: {fmt} ...", flush=True)
-            rows.append(measure(path, fmt, bandwidth, rows[0]["logprobs"] if rows else None))
+        for weights in weight_formats(path):
+            for kv in args.kv.split(","):
+                print(f"  {model}: weights {WEIGHTS[weights]}, KV {kv} ...", flush=True)
+                rows.append(measure(path, weights, kv, bandwidth, rows[0]["logprobs"] if rows else None))
         base = rows[0]
         print(f"\n## {Path(model).name if path else 'SmolLM2-135M-Instruct (embedded)'}\n")
         print("| weights | KV | weight MB per token | KV tokens per GiB | ms/token @256 (% of bound) | "

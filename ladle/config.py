@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass, field
 
 SCHEDULING_POLICIES = ("fcfs", "priority", "lpm")
+QUANTIZATIONS = ("auto", "none", "int8")  # ladle.model.quantization's meanings
 KV_8BIT_NAMES = ("int8", "fp8", "fp8_e4m3")  # ladle.model.kv_quant's formats (named here: no torch import)
 
 
@@ -31,7 +32,7 @@ class EngineConfig:
     # LADLE_DTYPE sets the default (the test suite pins float32 with it)
     dtype: str = field(default_factory=lambda: os.environ.get("LADLE_DTYPE", "auto"))
     kv_cache_dtype: str = "auto"  # auto follows the compute dtype; int8 / fp8: 8 bits and a scale per token and head
-    quantization: str = "none"  # int8: weight-only int8 decoder layers (ladle.model.quantization)
+    quantization: str = "auto"  # auto | none | int8: how linear weights are held (ladle.model.quantization)
 
     def __post_init__(self) -> None:
         if self.scheduling_policy not in SCHEDULING_POLICIES:
@@ -41,8 +42,8 @@ class EngineConfig:
         canonical_name(self.dtype)
         if self.kv_cache_dtype not in ("auto",) + KV_8BIT_NAMES:
             canonical_name(self.kv_cache_dtype)
-        if self.quantization not in ("none", "int8"):
-            raise ValueError(f"quantization must be none or int8, not {self.quantization!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, not {self.quantization!r}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.block_size < 1:
             raise ValueError("max_num_seqs, max_num_batched_tokens and block_size must be positive")
         if self.max_num_batched_tokens < self.block_size:
@@ -81,12 +82,14 @@ def add_engine_arguments(parser) -> None:
                    choices=("auto", "float32", "bfloat16", "float16", "float", "half"),
                    help="compute dtype; auto: bfloat16 where the CPU computes it natively and faster "
                         "(AMX-BF16, or AVX512-BF16 if a start-up measurement says so), else float32")
-    g.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16") + KV_8BIT_NAMES,
+    g.add_argument("--kv-cache-dtype", default="auto",
+                   choices=("auto", "float32", "bfloat16", "float16") + KV_8BIT_NAMES,
                    help="KV cache dtype; auto follows --dtype; int8 and fp8 (e4m3) store 8 bits with a float scale "
                         "per token and KV head: 3.8x float32's tokens in the same memory at head size 64")
-    g.add_argument("--quantization", "-q", default="none", choices=("none", "int8"),
-                   help="int8: decoder-layer weights as int8 with a float scale per output row, quantised at "
-                        "load (a quarter of float32's bytes per decode step; float activations)")
+    g.add_argument("--quantization", "-q", default="auto", choices=QUANTIZATIONS,
+                   help="auto: weights as the checkpoint holds them (a GGUF's Q8_0/Q4_0/Q4_1 blocks served as "
+                        "grouped int8, float tensors as float); none: everything dequantised to float; int8: "
+                        "float weights also quantised at load to int8 with a scale per output row")
 
 
 def engine_config_from_args(args) -> EngineConfig:

@@ -16,7 +16,7 @@ from ladle.config import EngineConfig
 from ladle.engine.async_engine import AsyncEngine
 from ladle.engine.engine import LLMEngine
 from ladle.model.kernels import loader
-from ladle.model.loader import default_gguf_path, resolve_model_path
+from ladle.model.loader import GROUPED_SUFFIXES, default_gguf_path, resolve_model_path
 from ladle.server.app import create_app
 
 # References are float32 (transformers, float64): the suite computes in float32 whatever `auto`
@@ -36,6 +36,22 @@ def smollm2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
             os.environ.pop("LADLE_CACHE_DIR", None)
         else:
             os.environ["LADLE_CACHE_DIR"] = old
+
+
+@pytest.fixture(scope="session")
+def smollm2_float_dir(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The converted default model with only its float weights (no GGUF blocks): a float checkpoint."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    out = tmp_path_factory.mktemp("smollm2-float")
+    for f in smollm2_dir.iterdir():
+        if f.suffix != ".safetensors":
+            (out / f.name).symlink_to(f)
+    with safe_open(str(smollm2_dir / "model.safetensors"), framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys() if not k.endswith(GROUPED_SUFFIXES)}
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
 
 
 @pytest.fixture(params=["native", "torch"])

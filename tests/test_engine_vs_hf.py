@@ -34,7 +34,8 @@ LOGPROB_TOL = 2e-3  # absolute, on log-probabilities (fp32, different op order)
 # Engine set-ups every model must pass: plain, tiny prefill chunks, and a pool so small
 # that sequences get preempted and recomputed.
 ENGINE_CASES = {
-    "plain": {},
+    "plain": {},  # the Q4_1 layers served from their blocks (grouped int8)
+    "dequantised": {"quantization": "none"},
     "chunked32": {"max_num_batched_tokens": 32, "long_prefill_token_threshold": 32},
     "preempting": {"num_kv_blocks": 24, "block_size": 8, "max_num_batched_tokens": 64},
 }
@@ -204,9 +205,11 @@ def test_smollm2_gguf_greedy_matches_transformers(smollm2_gguf_llm_factory, hf_s
 @pytest.mark.parametrize("route", ["small:torch", "canonical:canonical", "torch:torch", "canonical:torch"])
 def test_every_matmul_route_matches_transformers(smollm2_gguf_llm_factory, hf_smollm2, route: str,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    """Start-up measurement picks the matmul kernels per machine; each route it can pick, forced."""
+    """Start-up measurement picks the matmul kernels per float model and machine; each route it can
+    pick, forced (on the dequantised weights: int8 blocks always take their kernel)."""
     monkeypatch.setenv("LADLE_MATMUL", route)
-    llm = smollm2_gguf_llm_factory(max_num_batched_tokens=64)  # prefill chunks past the 32-row decode size
+    # prefill chunks past the 32-row decode size
+    llm = smollm2_gguf_llm_factory(max_num_batched_tokens=64, quantization="none")
     decode, prefill = route.split(":")
     assert (llm.engine.runner.model.routing.decode, llm.engine.runner.model.routing.prefill) == (decode, prefill)
     assert llm.engine.runtime_info()["matmul"] == f"decode {decode}, prefill {prefill}"

@@ -83,8 +83,9 @@ def test_int8_linear_without_native_kernels_is_the_dequantised_float_layer(monke
 
 
 @pytest.fixture(scope="module")
-def float_and_int8(smollm2_dir) -> tuple[LLM, LLM]:
-    return LLM(str(smollm2_dir)), LLM(str(smollm2_dir), quantization="int8")
+def float_and_int8(smollm2_float_dir) -> tuple[LLM, LLM]:
+    """A float checkpoint, and the same quantised per row at load."""
+    return LLM(str(smollm2_float_dir)), LLM(str(smollm2_float_dir), quantization="int8")
 
 
 def _prompt_logprobs(llm: LLM, ids: list[int]) -> list:
@@ -105,7 +106,8 @@ def test_int8_model_tracks_the_float_model(float_and_int8) -> None:
     assert abs(math.exp(nll["q8"]) / math.exp(nll["fp"]) - 1) < 0.05, nll  # perplexity within 5%
     assert sum(lin.nbytes for lin in q8.engine.runner.model.linears) * 3.5 < \
         sum(lin.nbytes for lin in fp.engine.runner.model.linears)
-    assert q8.engine.runtime_info()["quantization"] == "int8"
+    assert q8.engine.runtime_info()["quantization"] == "int8" and q8.engine.runtime_info()["weights"] == "int8 per row"
+    assert fp.engine.runtime_info()["weights"] == "float"
 
 
 def test_int8_scoring_is_bit_identical_alone_batched_and_cached(float_and_int8) -> None:

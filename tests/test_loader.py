@@ -16,6 +16,7 @@ from gguf.quants import dequantize, quantize
 from ladle.model.config import ModelConfig
 from ladle.model.gguf import convert_gguf
 from ladle.model.loader import default_gguf_path, load_weights, resolve_model_path
+from ladle.model.quantization import GroupedWeight
 from ladle.model.tokenizer import IncrementalDetokenizer, Tokenizer
 
 PROMPT = "The capital of France is"
@@ -46,12 +47,23 @@ def test_resolve_errors(tmp_path: Path) -> None:
         resolve_model_path(str(tmp_path / "weights.bin"))
 
 
+def floats(weights: dict) -> dict[str, torch.Tensor]:
+    """load_weights' result with grouped (GGUF block) weights dequantised."""
+    return {k: v.dequantize() if isinstance(v, GroupedWeight) else v for k, v in weights.items()}
+
+
 def test_converted_weights_equal_transformers_gguf_load(smollm2_dir: Path, hf_smollm2) -> None:
     ours = load_weights(smollm2_dir)
-    assert "lm_head.weight" not in ours and all(t.dtype == torch.float32 for t in ours.values())
-    assert ours["model.layers.0.self_attn.k_proj.weight"].shape == (192, 576)
+    k_proj = ours["model.layers.0.self_attn.k_proj.weight"]  # Q4_1 blocks: int8 values, scale and min per 32
+    assert isinstance(k_proj, GroupedWeight) and k_proj.shape == (192, 576) and k_proj.size == 32
+    assert k_proj.mins is not None and k_proj.q.min() >= 0 and k_proj.q.max() <= 15
+    lm_head = ours.pop("lm_head.weight")  # the tied embedding's Q8_0 blocks, for the LM head
+    assert isinstance(lm_head, GroupedWeight) and lm_head.mins is None
+    assert torch.equal(lm_head.dequantize(), ours["model.embed_tokens.weight"])
     ref = {k: v for k, v in hf_smollm2[0].state_dict().items() if k != "lm_head.weight"}
     assert ours.keys() == ref.keys()
+    ours = floats(ours)
+    assert all(t.dtype == torch.float32 for t in ours.values())
     for name, tensor in ref.items():
         assert torch.equal(ours[name], tensor), name
 
@@ -152,9 +164,16 @@ def test_tiny_gguf_round_trip(tmp_path: Path, arch: str, monkeypatch: pytest.Mon
     shards = sorted(p.name for p in folder.glob("*.safetensors"))
     assert len(shards) > 1 if arch == "qwen3" else shards == ["model.safetensors"]
     ours = load_weights(folder)
+    tied = model.config.tie_word_embeddings
+    in_blocks = {k for k in expected if _gguf_name_and_type(k)[1] in (Q.Q8_0, Q.Q4_0, Q.Q4_1) and "embed" not in k}
+    if tied:
+        in_blocks.add("lm_head.weight")
+    assert {k for k, v in ours.items() if isinstance(v, GroupedWeight)} == in_blocks  # linears served from blocks
+    if tied:  # the tied Q8_0 embedding's blocks serve as the LM head
+        assert torch.equal(ours.pop("lm_head.weight").dequantize(), expected["model.embed_tokens.weight"])
     assert ours.keys() == expected.keys()
-    for name, tensor in expected.items():
-        assert torch.equal(ours[name], tensor), name
+    for name, tensor in floats(ours).items():
+        assert torch.equal(tensor, expected[name]), name
     cfg, ref_cfg = ModelConfig.from_folder(folder), model.config
     assert (cfg.model_type, cfg.head_dim, cfg.num_key_value_heads) == (arch, ref_cfg.head_dim, 2)
     assert cfg.tie_word_embeddings == ref_cfg.tie_word_embeddings and cfg.rope_theta == 50000.0

@@ -28,11 +28,13 @@ def test_models_health_version(server: Server, client: openai.OpenAI) -> None:
     assert client.models.retrieve(MODEL).id == MODEL
     assert httpx.get(f"{server.url}/health").status_code == 200
     version = httpx.get(f"{server.url}/version").json()
-    assert set(version) == {"version", "dtype", "dtype_reason", "quantization", "kv_cache_dtype", "kernels", "matmul"}
+    assert set(version) == {"version", "dtype", "dtype_reason", "quantization", "weights", "kv_cache_dtype", "kernels",
+                            "matmul"}
     assert version["version"] == ladle.__version__
     # the suite pins float32 (conftest), so the choice is the one asked for
     assert version["dtype"] == version["kv_cache_dtype"] == "float32" and version["dtype_reason"] == "requested"
-    assert version["quantization"] == "none"
+    # the default model's Q4_1 layers and tied Q8_0 head served from their blocks
+    assert version["quantization"] == "auto" and version["weights"] == "int8 in groups of 32 (GGUF blocks)"
     native = kernels.native_kernels()
     assert version["kernels"] == (native.isa if native is not None else "torch")
     routing = server.engine.engine.runner.model.routing

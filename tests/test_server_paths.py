@@ -38,7 +38,7 @@ def test_cli_aliases_parse_into_the_engine_config() -> None:
     assert (config.enable_prefix_caching, config.scheduling_policy, config.deterministic) == (False, "priority", True)
     assert engine_config_from_args(parse("--scheduling-policy", "lpm")).scheduling_policy == "lpm"
     assert engine_config_from_args(parse("--quantization", "int8")).quantization == "int8"
-    assert engine_config_from_args(parse()).quantization == "none"
+    assert engine_config_from_args(parse()).quantization == "auto"
     with pytest.raises(SystemExit):  # the alias checks its choices too
         parse("--schedule-policy", "random")
 

@@ -25,6 +25,7 @@ from ladle.model.attention import KVCache
 from ladle.model.config import ModelConfig
 from ladle.model.dtype import DTYPES, canonical_name, choose_dtype
 from ladle.model.kv_quant import KV_8BIT
+from ladle.model.quantization import describe as describe_weights
 from ladle.model.loader import load_weights, resolve_model_path
 from ladle.engine.runner import ModelRunner
 from ladle.engine.sampler import Sampler, token_logprob
@@ -85,6 +86,7 @@ class LLMEngine:
         """How this engine computes on this machine, and why (the start log and /version)."""
         routing = self.runner.model.routing
         return {"dtype": self.dtype.name, "dtype_reason": self.dtype.reason, "quantization": self.config.quantization,
+                "weights": describe_weights(self.runner.model.linears),
                 "kv_cache_dtype": self._kv_cache_dtype_name(), "kernels": self.isa,
                 "matmul": f"decode {routing.decode}, prefill {routing.prefill}"}
 

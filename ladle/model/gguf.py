@@ -1,4 +1,6 @@
-"""Convert a GGUF file, once, into a Hugging Face style model folder (float32 safetensors)."""
+"""Convert a GGUF file, once, into a Hugging Face style model folder (float32 safetensors). Linear
+weights held in Q8_0 / Q4_0 / Q4_1 blocks are also kept as they are (grouped int8, NAME.qweight,
+.qscales, .qmins: ladle.model.gguf_blocks), so the engine can serve them quantised."""
 
 from __future__ import annotations
 
@@ -14,6 +16,8 @@ import torch
 from gguf import GGUFReader, ReaderTensor
 from gguf.quants import dequantize
 from safetensors.torch import save_file
+
+from ladle.model import gguf_blocks
 
 HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 SHARD_BYTES = 2 << 30  # float32 shards of about 2 GiB keep peak memory low on big models
@@ -140,11 +144,51 @@ def gguf_config(reader: GGUFReader) -> dict[str, Any]:
 
 def _hf_tensor(t: ReaderTensor, cfg: dict[str, Any]) -> torch.Tensor:
     w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
-    w = w.reshape([int(d) for d in reversed(t.shape.tolist())])  # GGUF dims are reversed numpy dims
-    if cfg["model_type"] == "llama" and re.search(r"\.attn_[qk]\.", t.name):
-        n_head = cfg["num_attention_heads"] if ".attn_q." in t.name else cfg["num_key_value_heads"]
-        w = unpermute_qk(w, n_head)
-    return torch.from_numpy(np.array(w, dtype=np.float32, order="C"))  # copy: F32 data is a read-only mmap view
+    w = w.reshape(_hf_shape(t))
+    # a copy: F32 data is a read-only mmap view
+    return torch.from_numpy(np.array(_unpermuted(w, t.name, cfg), dtype=np.float32, order="C"))
+
+
+def _hf_shape(t: ReaderTensor) -> list[int]:
+    return [int(d) for d in reversed(t.shape.tolist())]  # GGUF dims are reversed numpy dims
+
+
+def _unpermuted(rows: np.ndarray, gguf_name: str, cfg: dict[str, Any]) -> np.ndarray:
+    """llama.cpp's q/k row order undone (llama only); any per-row array (weights, scales)."""
+    if cfg["model_type"] == "llama" and re.search(r"\.attn_[qk]\.", gguf_name):
+        n_head = cfg["num_attention_heads"] if ".attn_q." in gguf_name else cfg["num_key_value_heads"]
+        return unpermute_qk(rows, n_head)
+    return rows
+
+
+def _grouped_tensors(t: ReaderTensor, name: str, cfg: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """A linear weight's quantised blocks as NAME.qweight / .qscales (/ .qmins), exactly
+    (ladle.model.gguf_blocks); the loader turns them back into one grouped weight."""
+    rows, cols = _hf_shape(t)
+    parts = gguf_blocks.unpack(t.data, t.tensor_type, rows, cols)
+    base = name.removesuffix(".weight")
+    out = {}
+    for suffix, a in zip((".qweight", ".qscales", ".qmins"), parts):
+        if a is not None:
+            out[base + suffix] = torch.from_numpy(np.ascontiguousarray(_unpermuted(a, t.name, cfg)))
+    return out
+
+
+def _is_linear(gguf_name: str) -> bool:
+    return gguf_name == "output.weight" or (_LAYER_RE.match(gguf_name) is not None and "_norm" not in gguf_name
+                                           and gguf_name.endswith(".weight"))
+
+
+def _hf_tensors(t: ReaderTensor, name: str, cfg: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """What the converted folder holds for one GGUF tensor: its float values (so the folder stays one
+    transformers loads), and a linear weight's blocks as they are (a tied embedding's as the LM head's)."""
+    out = {name: _hf_tensor(t, cfg)}
+    if t.tensor_type in gguf_blocks.GROUPED_TYPES:
+        if _is_linear(t.name):
+            out.update(_grouped_tensors(t, name, cfg))
+        elif t.name == "token_embd.weight" and cfg["tie_word_embeddings"]:
+            out.update(_grouped_tensors(t, "lm_head.weight", cfg))
+    return out
 
 
 def _write_weights(reader: GGUFReader, cfg: dict[str, Any], out: Path) -> None:
@@ -158,8 +202,8 @@ def _write_weights(reader: GGUFReader, cfg: dict[str, Any], out: Path) -> None:
             _flush_shard(shards, out)
             shards.append({})
             size = 0
-        shards[-1][name] = _hf_tensor(t, cfg)
-        size += int(t.n_elements) * 4
+        shards[-1].update(_hf_tensors(t, name, cfg))
+        size += int(t.n_elements) * 5  # float32, and maybe a byte of blocks
     if len(shards) == 1:
         save_file(shards[0], str(out / "model.safetensors"), metadata={"format": "pt"})
         return

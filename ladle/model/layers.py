@@ -59,6 +59,13 @@ class Linear:
         """W in the canonical kernel's panel layout (None until packed or without native kernels)."""
         return self._panels
 
+    group_size: int | None = None  # int8 weights' inputs per scale (ladle.model.quantization)
+
+    @property
+    def quantized(self) -> bool:
+        """Whether W is held as int8 panels (ladle.model.quantization)."""
+        return False
+
     def _canonical(self, x: torch.Tensor) -> torch.Tensor:
         native = kernels.native_kernels() if x.is_cpu and x.dim() == 2 and x.stride(1) == 1 else None
         if native is None:

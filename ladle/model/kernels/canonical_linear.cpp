@@ -13,6 +13,17 @@
 // one contiguous line of W per k. int8 weights (weight-only quantisation) are widened to
 // float exactly, and each output's sum is multiplied by its column's scale at the end:
 // y[m, n] = acc * scale[n] + bias[n], the same operations on every path.
+//
+// Grouped int8 weights (GGUF's Q8_0, Q4_0, Q4_1, Q4_K blocks, repacked exactly) carry a scale,
+// and optionally a minimum, per column and group of G inputs. Each group's chain starts at
+// zero and is folded into the output's running sum:
+//
+//     acc = 0;  for each group g:  part = 0;  for k in g: part = fma(x[m, k], q[n, k], part)
+//                                  acc = fma(part, scale[n, g], acc)
+//                                  acc = fma(xsum[m, g], min[n, g], acc)      (with minimums)
+//     y[m, n] = acc + bias[n]
+//
+// where xsum[m, g] is x's sum over the group, added in input order.
 
 #include "simd.h"
 
@@ -53,15 +64,46 @@ inline Prefetch prefetch_share(const void* next, int64_t bytes, int64_t index, i
   return {static_cast<const char*>(next) + first * kCacheLine, std::min(share, lines - first)};
 }
 
+// Per-group scales (and minimums) of grouped int8 weights, in the panels' layout: panel p's
+// group g holds 16 floats at (p * count + g) * 16; xsums[m * count + g] for row m of x.
+struct Groups {
+  const float* scales = nullptr;  // null: not grouped
+  const float* mins = nullptr;
+  const float* xsums = nullptr;
+  int64_t size = 0, count = 0;
+
+  explicit operator bool() const { return scales != nullptr; }
+  // The same groups seen from row tile `m`, panel `p` onwards.
+  Groups at(int64_t m, int64_t p) const {
+    if (!scales) return *this;
+    return {scales + p * count * 16, mins ? mins + p * count * 16 : nullptr, xsums + m * count, size, count};
+  }
+};
+
 // The reference order, one element at a time: every vector path must agree with it bit for bit.
+// c holds `panels` panels per row (row stride panels * 16); panel_stride apart in w.
 template <typename W>
-void tile_scalar(const float* x, int64_t ldx, const W* panel, int64_t k, int64_t rows, int64_t cols, float* c) {
+void tile_scalar(const float* x, int64_t ldx, const W* panels, int64_t panel_stride, int64_t k, int64_t rows,
+                 int64_t num_panels, float* c, Groups groups) {
   for (int64_t m = 0; m < rows; ++m)
-    for (int64_t j = 0; j < cols; ++j) {
-      float acc = 0.0f;
-      for (int64_t i = 0; i < k; ++i) acc = std::fma(x[m * ldx + i], to_float(panel[i * kPanel + j]), acc);
-      c[m * kPanel + j] = acc;
-    }
+    for (int64_t p = 0; p < num_panels; ++p)
+      for (int64_t j = 0; j < kPanel; ++j) {
+        const W* w = panels + p * panel_stride + j;
+        float acc = 0.0f;
+        if (!groups) {
+          for (int64_t i = 0; i < k; ++i) acc = std::fma(x[m * ldx + i], to_float(w[i * kPanel]), acc);
+        } else {
+          for (int64_t g = 0; g < groups.count; ++g) {
+            float part = 0.0f;
+            for (int64_t i = g * groups.size; i < (g + 1) * groups.size; ++i)
+              part = std::fma(x[m * ldx + i], to_float(w[i * kPanel]), part);
+            const int64_t at = (p * groups.count + g) * kPanel + j;
+            acc = std::fma(part, groups.scales[at], acc);
+            if (groups.mins) acc = std::fma(groups.xsums[m * groups.count + g], groups.mins[at], acc);
+          }
+        }
+        c[m * num_panels * kPanel + p * kPanel + j] = acc;
+      }
 }
 
 #if defined(__AVX512F__)
@@ -77,10 +119,45 @@ inline __m512 load_panel(const W* p) {
   else return _mm512_loadu_ps(p);
 }
 
+// Grouped weights: each group's chains in registers, folded into the running sums in c.
+template <int R, int P, typename W>
+void tile_grouped(const float* x, int64_t ldx, const W* panels, int64_t panel_stride, float* c, Prefetch prefetch,
+                  Groups groups) {
+  const int64_t k = groups.size * groups.count;
+  for (int i = 0; i < R * P * kPanel; ++i) c[i] = 0.0f;
+  for (int64_t g = 0; g < groups.count; ++g) {
+    __m512 part[R][P];
+    for (int r = 0; r < R; ++r)
+      for (int p = 0; p < P; ++p) part[r][p] = _mm512_setzero_ps();
+    for (int64_t i = g * groups.size; i < (g + 1) * groups.size; ++i) {
+      prefetch.step(i, k);
+      __m512 w[P];
+      for (int p = 0; p < P; ++p) w[p] = load_panel(panels + p * panel_stride + i * kPanel);
+      for (int r = 0; r < R; ++r) {
+        const __m512 xv = _mm512_set1_ps(x[r * ldx + i]);
+        for (int p = 0; p < P; ++p) part[r][p] = _mm512_fmadd_ps(xv, w[p], part[r][p]);
+      }
+    }
+    for (int p = 0; p < P; ++p) {
+      const int64_t at = (p * groups.count + g) * kPanel;
+      const __m512 scale = _mm512_loadu_ps(groups.scales + at);
+      for (int r = 0; r < R; ++r) {
+        float* sums = c + r * P * kPanel + p * kPanel;
+        __m512 acc = _mm512_fmadd_ps(part[r][p], scale, _mm512_loadu_ps(sums));
+        if (groups.mins)
+          acc = _mm512_fmadd_ps(_mm512_set1_ps(groups.xsums[r * groups.count + g]),
+                                _mm512_loadu_ps(groups.mins + at), acc);
+        _mm512_storeu_ps(sums, acc);
+      }
+    }
+  }
+}
+
 // R rows x P panels over all k; c[m][P * 16] receives the sums.
 template <int R, int P, typename W>
 void tile(const float* x, int64_t ldx, const W* panels, int64_t panel_stride, int64_t k, float* c,
-          Prefetch prefetch) {
+          Prefetch prefetch, Groups groups) {
+  if (groups) return tile_grouped<R, P>(x, ldx, panels, panel_stride, c, prefetch, groups);
   __m512 acc[R][P];
   for (int r = 0; r < R; ++r)
     for (int p = 0; p < P; ++p) acc[r][p] = _mm512_setzero_ps();
@@ -100,9 +177,44 @@ void tile(const float* x, int64_t ldx, const W* panels, int64_t panel_stride, in
 constexpr int kTileRows = 6;  // 6 rows x 2 ymm (one panel) = 12 accumulators
 constexpr int kTilePanels = 1;
 
+template <int R, typename W>
+void tile_grouped(const float* x, int64_t ldx, const W* panels, float* c, Prefetch prefetch, Groups groups) {
+  const int64_t k = groups.size * groups.count;
+  for (int i = 0; i < R * kPanel; ++i) c[i] = 0.0f;
+  for (int64_t g = 0; g < groups.count; ++g) {
+    __m256 lo[R], hi[R];
+    for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
+    for (int64_t i = g * groups.size; i < (g + 1) * groups.size; ++i) {
+      prefetch.step(i, k);
+      const __m256 wl = load8(panels + i * kPanel), wh = load8(panels + i * kPanel + 8);
+      for (int r = 0; r < R; ++r) {
+        const __m256 xv = _mm256_broadcast_ss(x + r * ldx + i);
+        lo[r] = _mm256_fmadd_ps(xv, wl, lo[r]);
+        hi[r] = _mm256_fmadd_ps(xv, wh, hi[r]);
+      }
+    }
+    const float* scale = groups.scales + g * kPanel;
+    const float* min = groups.mins ? groups.mins + g * kPanel : nullptr;
+    for (int r = 0; r < R; ++r) {
+      float* sums = c + r * kPanel;
+      __m256 a = _mm256_fmadd_ps(lo[r], _mm256_loadu_ps(scale), _mm256_loadu_ps(sums));
+      __m256 b = _mm256_fmadd_ps(hi[r], _mm256_loadu_ps(scale + 8), _mm256_loadu_ps(sums + 8));
+      if (min) {
+        const __m256 xs = _mm256_set1_ps(groups.xsums[r * groups.count + g]);
+        a = _mm256_fmadd_ps(xs, _mm256_loadu_ps(min), a);
+        b = _mm256_fmadd_ps(xs, _mm256_loadu_ps(min + 8), b);
+      }
+      _mm256_storeu_ps(sums, a);
+      _mm256_storeu_ps(sums + 8, b);
+    }
+  }
+}
+
 template <int R, int P, typename W>
-void tile(const float* x, int64_t ldx, const W* panels, int64_t, int64_t k, float* c, Prefetch prefetch) {
+void tile(const float* x, int64_t ldx, const W* panels, int64_t, int64_t k, float* c, Prefetch prefetch,
+          Groups groups) {
   static_assert(P == 1, "AVX2 tiles are one panel wide");
+  if (groups) return tile_grouped<R>(x, ldx, panels, c, prefetch, groups);
   __m256 lo[R], hi[R];
   for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
   for (int64_t i = 0; i < k; ++i) {
@@ -124,18 +236,19 @@ constexpr int kTileRows = 4;
 constexpr int kTilePanels = 1;
 
 template <int R, int P, typename W>
-void tile(const float* x, int64_t ldx, const W* panels, int64_t, int64_t k, float* c, Prefetch) {
-  tile_scalar(x, ldx, panels, k, R, kPanel, c);
+void tile(const float* x, int64_t ldx, const W* panels, int64_t panel_stride, int64_t k, float* c, Prefetch,
+          Groups groups) {
+  tile_scalar(x, ldx, panels, panel_stride, k, R, P, c, groups);
 }
 #endif
 
 // Dispatches a tile of `rows` (<= kTileRows) rows to the instantiation for that count.
 template <int P, typename W, int R = kTileRows>
 void tile_rows(int64_t rows, const float* x, int64_t ldx, const W* panels, int64_t panel_stride, int64_t k,
-               float* c, Prefetch prefetch) {
+               float* c, Prefetch prefetch, Groups groups) {
   if constexpr (R > 0) {
-    if (rows == R) return tile<R, P>(x, ldx, panels, panel_stride, k, c, prefetch);
-    return tile_rows<P, W, R - 1>(rows, x, ldx, panels, panel_stride, k, c, prefetch);
+    if (rows == R) return tile<R, P>(x, ldx, panels, panel_stride, k, c, prefetch, groups);
+    return tile_rows<P, W, R - 1>(rows, x, ldx, panels, panel_stride, k, c, prefetch, groups);
   }
 }
 
@@ -160,12 +273,13 @@ inline int64_t group_width(int64_t rows, int64_t p, int64_t end_panel) {
 // One tile of `rows` rows and `panels` panels (kWidePanels, kTilePanels or 1).
 template <typename W>
 void tile_group(int64_t panels, int64_t rows, const float* x, int64_t ldx, const W* w, int64_t panel_stride,
-                int64_t k, float* c, Prefetch pf) {
+                int64_t k, float* c, Prefetch pf, Groups groups) {
   if constexpr (kWidePanels != kTilePanels) {
-    if (panels == kWidePanels) return tile_rows<kWidePanels, W, kFewRows>(rows, x, ldx, w, panel_stride, k, c, pf);
+    if (panels == kWidePanels)
+      return tile_rows<kWidePanels, W, kFewRows>(rows, x, ldx, w, panel_stride, k, c, pf, groups);
   }
-  if (panels == kTilePanels) tile_rows<kTilePanels>(rows, x, ldx, w, panel_stride, k, c, pf);
-  else if (panels == 1) tile_rows<1>(rows, x, ldx, w, panel_stride, k, c, pf);
+  if (panels == kTilePanels) tile_rows<kTilePanels>(rows, x, ldx, w, panel_stride, k, c, pf, groups);
+  else if (panels == 1) tile_rows<1>(rows, x, ldx, w, panel_stride, k, c, pf, groups);
 }
 
 // count int8 weights as floats, in a buffer of this thread's that lives until its next call.
@@ -180,8 +294,9 @@ inline const float* widen_group(const W*, int64_t) { return nullptr; }
 
 // Columns [16 * first_panel, 16 * end_panel) of rows [m0, m1).
 template <typename W>
-void column_range(const float* x, int64_t ldx, const W* wp, const float* scales, const float* bias, float* y,
-                  int64_t ldy, int64_t m0, int64_t m1, int64_t k, int64_t n, int64_t first_panel, int64_t end_panel) {
+void column_range(const float* x, int64_t ldx, const W* wp, const float* scales, Groups groups, const float* bias,
+                  float* y, int64_t ldy, int64_t m0, int64_t m1, int64_t k, int64_t n, int64_t first_panel,
+                  int64_t end_panel) {
   const int64_t panel_stride = k * kPanel;
   alignas(64) float c[kTileRows * kTilePanels * kPanel > kFewRows * kWidePanels * kPanel
                           ? kTileRows * kTilePanels * kPanel : kFewRows * kWidePanels * kPanel];
@@ -203,8 +318,9 @@ void column_range(const float* x, int64_t ldx, const W* wp, const float* scales,
     for (int64_t m = m0; m < m1; m += kTileRows) {
       const int64_t rows = std::min<int64_t>(kTileRows, m1 - m);
       const Prefetch pf = prefetch_share(next, next_bytes, (m - m0) / kTileRows, tiles);
-      if (wide != nullptr) tile_group(panels, rows, x + m * ldx, ldx, wide, panel_stride, k, c, pf);
-      else tile_group(panels, rows, x + m * ldx, ldx, w, panel_stride, k, c, pf);
+      const Groups g = groups.at(m, p);
+      if (wide != nullptr) tile_group(panels, rows, x + m * ldx, ldx, wide, panel_stride, k, c, pf, g);
+      else tile_group(panels, rows, x + m * ldx, ldx, w, panel_stride, k, c, pf, g);
       const int64_t width = panels * kPanel;
       const int64_t col0 = p * kPanel, cols = std::min<int64_t>(width, n - col0);
       for (int64_t r = 0; r < rows; ++r) {
@@ -221,8 +337,19 @@ void column_range(const float* x, int64_t ldx, const W* wp, const float* scales,
 }
 
 template <typename W>
-void canonical_linear(const float* x, int64_t ldx, const W* wp, const float* scales, const float* bias, float* y,
-                      int64_t m, int64_t k, int64_t n, int threads) {
+void canonical_linear(const float* x, int64_t ldx, const W* wp, const float* scales, Groups groups,
+                      const float* bias, float* y, int64_t m, int64_t k, int64_t n, int threads) {
+  std::vector<float> xsums;
+  if (groups.mins) {  // each row's sum over each group, in input order
+    xsums.resize(m * groups.count);
+    for (int64_t r = 0; r < m; ++r)
+      for (int64_t g = 0; g < groups.count; ++g) {
+        float sum = 0.0f;
+        for (int64_t i = g * groups.size; i < (g + 1) * groups.size; ++i) sum += x[r * ldx + i];
+        xsums[r * groups.count + g] = sum;
+      }
+    groups.xsums = xsums.data();
+  }
   const int64_t panels = (n + kPanel - 1) / kPanel;
   const int64_t tiles = (panels + kTilePanels - 1) / kTilePanels;
   if (m * n * k < (int64_t(1) << 18)) threads = 1;
@@ -238,7 +365,7 @@ void canonical_linear(const float* x, int64_t ldx, const W* wp, const float* sca
     const int64_t first = tiles * t / threads * kTilePanels;
     const int64_t end = std::min(panels, tiles * (t + 1) / threads * kTilePanels);
     for (int64_t m0 = 0; m0 < m; m0 += row_block)
-      column_range(x, ldx, wp, scales, bias, y, n, m0, std::min(m, m0 + row_block), k, n, first, end);
+      column_range(x, ldx, wp, scales, groups, bias, y, n, m0, std::min(m, m0 + row_block), k, n, first, end);
   }
 }
 
@@ -263,13 +390,19 @@ extern "C" void ladle_pack_panels(const void* w, void* out, int64_t n, int64_t k
 
 // y[m, n] (row stride n) = x[m, k] (row stride ldx) @ W^T (* scales) (+ bias), W packed by
 // ladle_pack_panels; scales (one per output column) only for int8 weights, else nullptr.
+// Grouped int8 weights instead pass group_scales (and optionally group_mins), each
+// [ceil(n / 16), k / group_size, 16], and group_size (which divides k); scales is then null.
 extern "C" void ladle_canonical_linear(const float* x, int64_t ldx, const void* packed, int wtype,
-                                       const float* scales, const float* bias, float* y, int64_t m, int64_t k,
+                                       const float* scales, const float* group_scales, const float* group_mins,
+                                       int64_t group_size, const float* bias, float* y, int64_t m, int64_t k,
                                        int64_t n, int threads) {
-  if (wtype == kInt8) canonical_linear(x, ldx, static_cast<const int8_t*>(packed), scales, bias, y, m, k, n, threads);
+  Groups groups;
+  if (group_scales) groups = {group_scales, group_mins, nullptr, group_size, k / group_size};
+  if (wtype == kInt8)
+    canonical_linear(x, ldx, static_cast<const int8_t*>(packed), scales, groups, bias, y, m, k, n, threads);
   else if (wtype == kBFloat16)
-    canonical_linear(x, ldx, static_cast<const uint16_t*>(packed), nullptr, bias, y, m, k, n, threads);
-  else canonical_linear(x, ldx, static_cast<const float*>(packed), nullptr, bias, y, m, k, n, threads);
+    canonical_linear(x, ldx, static_cast<const uint16_t*>(packed), nullptr, Groups{}, bias, y, m, k, n, threads);
+  else canonical_linear(x, ldx, static_cast<const float*>(packed), nullptr, Groups{}, bias, y, m, k, n, threads);
 }
 
 // The instruction set this library was built for, as the loader reports it.

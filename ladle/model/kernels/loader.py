@@ -71,7 +71,8 @@ class NativeKernels:
         self._pack_panels.argtypes = [ptr, ptr, i64, i64, ctypes.c_int]
         self._pack_panels.restype = None
         self._canonical_linear = lib.ladle_canonical_linear
-        self._canonical_linear.argtypes = [ptr, i64, ptr, ctypes.c_int, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]
+        self._canonical_linear.argtypes = [ptr, i64, ptr, ctypes.c_int, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64,
+                                           ctypes.c_int]
         self._canonical_linear.restype = None
         lib.ladle_isa.restype = ctypes.c_char_p
         self.isa: str = lib.ladle_isa().decode()
@@ -88,17 +89,35 @@ class NativeKernels:
         self._pack_panels(weight.data_ptr(), out.data_ptr(), n, k, _WEIGHT_TYPES[weight.dtype])
         return out
 
+    @staticmethod
+    def pack_groups(params: torch.Tensor) -> torch.Tensor:
+        """Per-group scales or minimums [out, groups] in the panels' layout: [ceil(out / 16), groups, 16]
+        float32, zero-padded."""
+        n, groups = params.shape
+        padded = torch.zeros(-(-n // 16) * 16, groups, dtype=torch.float32)
+        padded[:n] = params
+        return padded.view(-1, 16, groups).transpose(1, 2).contiguous()
+
     def canonical_linear(self, x: torch.Tensor, packed: torch.Tensor, out_features: int,
-                         bias: torch.Tensor | None = None, scales: torch.Tensor | None = None) -> torch.Tensor:
+                         bias: torch.Tensor | None = None, scales: torch.Tensor | None = None,
+                         groups: tuple[int, torch.Tensor, torch.Tensor | None] | None = None) -> torch.Tensor:
         """x[M, in] (float32, rows may be strided) @ W^T (+ bias) for W packed by `pack_panels`,
         each output a fixed chain of FMAs in input order: a row's bits never depend on M.
-        int8 panels need `scales` (float32, one per output): the sums are multiplied by them."""
-        if (packed.dtype == torch.int8) != (scales is not None):
-            raise ValueError("scales go with int8 panels, and only with them")
+        int8 panels need `scales` (float32, one per output): the sums are multiplied by them; or,
+        grouped, `groups` = (group size, scales, minimums or None), each packed by `pack_groups`:
+        each group's chain is folded in as fma(chain, scale, acc), then fma(x's group sum, min, acc)."""
+        if (packed.dtype == torch.int8) != (scales is not None or groups is not None) or (
+                scales is not None and groups is not None):
+            raise ValueError("int8 panels take scales or groups, and only they do")
         rows, k = x.shape
+        size, group_scales, group_mins = groups or (0, None, None)
+        if groups is not None and (size <= 0 or k % size or group_scales.shape[1] != k // size):
+            raise ValueError(f"groups of {size} do not tile the {k} inputs")
         y = torch.empty(rows, out_features, dtype=torch.float32)
         self._canonical_linear(x.data_ptr(), x.stride(0), packed.data_ptr(), _WEIGHT_TYPES[packed.dtype],
                                None if scales is None else scales.data_ptr(),
+                               None if group_scales is None else group_scales.data_ptr(),
+                               None if group_mins is None else group_mins.data_ptr(), size,
                                None if bias is None else bias.data_ptr(), y.data_ptr(), rows, k, out_features,
                                torch.get_num_threads())
         return y

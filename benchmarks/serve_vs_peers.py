@@ -1,4 +1,5 @@
-"""ladle against vLLM (CPU) over HTTP: streaming /v1/completions, same model, same machine, interleaved.
+"""ladle against its peers over HTTP (vLLM's CPU build, llama.cpp's llama-server): streaming
+/v1/completions, same model, same machine, interleaved.
 
 Cases (output tok/s = completion tokens of all requests / wall time from the first send to the last
 response; greedy, ignore_eos, max_tokens 64, every request distinct so no prefix-cache hits):
@@ -20,11 +21,17 @@ Each round starts every server in turn (subprocess on a free 127.0.0.1 port), wa
 warms it up, runs the cases and stops it; the table holds the median over --rounds.
 
 Usage:
-  .venv/bin/python benchmarks/serve_vs_vllm.py --servers ladle:float32,vllm:float32,vllm:bfloat16 \
+  .venv/bin/python benchmarks/serve_vs_peers.py --servers ladle:float32,vllm:float32,vllm:bfloat16 \
       --vllm-python /work/peers/vllm/bin/python --rounds 3
-  .venv/bin/python benchmarks/serve_vs_vllm.py --servers ladle:float32 --rounds 1 --quick   # smoke run
+  .venv/bin/python benchmarks/serve_vs_peers.py --servers ladle:int8,llamacpp:Q8_0 \
+      --llama-server /path/to/llama.cpp/build/bin/llama-server --rounds 3
+  .venv/bin/python benchmarks/serve_vs_peers.py --servers ladle:float32 --rounds 1 --quick   # smoke run
 `ladle:DTYPE` passes `--dtype DTYPE` to `ladle serve` when it has that flag; without it, float32 and auto
-run ladle as it is (fp32). vLLM gets VLLM_CPU_NUM_OF_RESERVED_CPU=0 and VLLM_CPU_KVCACHE_SPACE=4.
+run ladle as it is (fp32); `ladle:int8` is `--dtype float32 --quantization int8`. vLLM gets
+VLLM_CPU_NUM_OF_RESERVED_CPU=0 and VLLM_CPU_KVCACHE_SPACE=4. `llamacpp:TYPE` (Q8_0, Q4_0, F16, ...)
+serves the same weights converted once to a GGUF of that type by llama.cpp's own
+convert_hf_to_gguf.py (found next to --llama-server's build folder), with one slot per request of
+the largest case (-np 16) and every CPU (-t).
 """
 
 from __future__ import annotations
@@ -71,7 +78,7 @@ class Case:
 
 @dataclass(frozen=True)
 class Server:
-    kind: str  # ladle | vllm
+    kind: str  # ladle | vllm | llamacpp
     dtype: str
 
     @property
@@ -138,15 +145,42 @@ def ladle_has_dtype_flag(ladle: str) -> bool:
     return "--dtype" in out.stdout
 
 
+def llama_cpp_root(llama_server: str) -> Path:
+    """The llama.cpp tree a llama-server binary was built in (build/bin/llama-server)."""
+    return Path(llama_server).resolve().parents[2]
+
+
+def ensure_gguf(model: Path, quant: str, llama_server: str) -> Path:
+    """The benchmark model as a GGUF of type `quant`, converted once by llama.cpp's own script."""
+    out = model / f"model-{quant}.gguf"
+    if out.is_file():
+        return out
+    root = llama_cpp_root(llama_server)
+    print(f"converting {model} to {out.name} with {root / 'convert_hf_to_gguf.py'} (once) ...", flush=True)
+    env = {**os.environ, "PYTHONPATH": str(root / "gguf-py")}
+    tmp = out.with_suffix(".partial")
+    subprocess.run([sys.executable, str(root / "convert_hf_to_gguf.py"), str(model), "--outtype", quant.lower(),
+                    "--outfile", str(tmp)], check=True, env=env)
+    os.replace(tmp, out)
+    return out
+
+
 def server_command(server: Server, model: Path, port: int, args: argparse.Namespace) -> tuple[list[str], dict]:
     if server.kind == "ladle":
         ladle = str(REPO / ".venv" / "bin" / "ladle")
         cmd = [ladle, "serve", str(model), "--host", "127.0.0.1", "--port", str(port), "--uvicorn-log-level", "warning"]
-        if ladle_has_dtype_flag(ladle):
+        if server.dtype == "int8":
+            cmd += ["--dtype", "float32", "--quantization", "int8"]
+        elif ladle_has_dtype_flag(ladle):
             cmd += ["--dtype", server.dtype]
         elif server.dtype not in ("float32", "auto"):
             raise SystemExit(f"`ladle serve` has no --dtype flag, so {server.label} cannot run")
         return cmd + shlex.split(args.ladle_args), dict(os.environ)
+    if server.kind == "llamacpp":
+        gguf = ensure_gguf(model, server.dtype, args.llama_server)
+        cmd = [args.llama_server, "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
+               "-t", str(os.cpu_count()), "-np", "16", "-c", str(16 * 512)]
+        return cmd + shlex.split(args.llama_args), dict(os.environ)
     cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host",
            "127.0.0.1", "--port", str(port), "--dtype", server.dtype]
     return cmd + shlex.split(args.vllm_args), {**os.environ, **VLLM_ENV}
@@ -236,13 +270,13 @@ def print_report(table: dict[str, dict[str, float]], work: list[Case]) -> None:
     for label, row in table.items():
         print(f"| {label} | " + " | ".join(f"{row[k]:.1f}" if k in row else "failed" for k, _ in cols) + " |")
     ladles = [s for s in table if s.startswith("ladle:")]
-    vllms = [s for s in table if s.startswith("vllm:")]
-    if ladles and vllms:
-        print("\nratios ladle / vLLM (tok/s: >1 means ladle is faster; TTFT: <1 means ladle is faster)\n")
-        print("| ladle / vLLM | " + " | ".join(h for _, h in cols) + " |")
+    peers = [s for s in table if not s.startswith("ladle:")]
+    if ladles and peers:
+        print("\nratios ladle / peer (tok/s: >1 means ladle is faster; TTFT: <1 means ladle is faster)\n")
+        print("| ladle / peer | " + " | ".join(h for _, h in cols) + " |")
         print("| --- |" + " --- |" * len(cols))
         for lbl in ladles:
-            for v in vllms:
+            for v in peers:
                 cells = [f"{table[lbl][k] / table[v][k]:.2f}x" if k in table[lbl] and table[v].get(k) else "-"
                          for k, _ in cols]
                 print(f"| {lbl} / {v} | " + " | ".join(cells) + " |")
@@ -251,8 +285,8 @@ def print_report(table: dict[str, dict[str, float]], work: list[Case]) -> None:
 def parse_servers(text: str) -> list[Server]:
     servers = [Server(*item.split(":", 1)) for item in text.split(",")]
     for s in servers:
-        if s.kind not in ("ladle", "vllm"):
-            raise SystemExit(f"unknown server {s.label!r}: use ladle:DTYPE or vllm:DTYPE")
+        if s.kind not in ("ladle", "vllm", "llamacpp"):
+            raise SystemExit(f"unknown server {s.label!r}: use ladle:DTYPE, vllm:DTYPE or llamacpp:TYPE")
     return servers
 
 
@@ -260,13 +294,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--servers", default="ladle:float32,vllm:float32,vllm:bfloat16")
     ap.add_argument("--vllm-python", default="/work/peers/vllm/bin/python")
+    ap.add_argument("--llama-server", default="/work/peers/llamacpp/llama.cpp/build/bin/llama-server")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--waves", type=int, default=1, help="send WAVES*c requests per case, at most c in flight")
     ap.add_argument("--quick", action="store_true", help="smoke run: only c=1, 2 requests")
     ap.add_argument("--model-dir", type=Path, default=Path.home() / ".cache/ladle/bench-models/qwen2-0.5b-shape")
-    ap.add_argument("--result-dir", type=Path, default=Path.home() / ".cache/ladle/serve_vs_vllm")
+    ap.add_argument("--result-dir", type=Path, default=Path.home() / ".cache/ladle/serve_vs_peers")
     ap.add_argument("--ladle-args", default="", help="extra flags for `ladle serve`, one string")
     ap.add_argument("--vllm-args", default="", help="extra flags for vLLM's api_server, one string")
+    ap.add_argument("--llama-args", default="", help="extra flags for llama-server, one string")
     ap.add_argument("--start-timeout", type=float, default=900.0, help="seconds to wait for /health")
     ap.add_argument("--request-timeout", type=float, default=900.0)
     args = ap.parse_args()
@@ -297,7 +333,7 @@ def main() -> None:
     print(f"\nCPU: {cpu}; model: Qwen2 0.5B shape (random, vocab 49152); 256-token prompts unless noted, "
           f"64 output tokens, greedy, ignore_eos; median of {args.rounds} round(s)")
     print_report(table, work)
-    out = args.result_dir / f"serve_vs_vllm-{stamp}.json"
+    out = args.result_dir / f"serve_vs_peers-{stamp}.json"
     out.write_text(json.dumps({"cpu": cpu, "model": str(model), "model_shape": QWEN2_05B_SHAPE, "args": vars(args),
                                "cases": [asdict(c) for c in work], "servers": info, "medians": table,
                                "results": [asdict(r) for r in results]}, indent=2, default=str))
