@@ -119,6 +119,27 @@ inline __m512 load_panel(const W* p) {
   else return _mm512_loadu_ps(p);
 }
 
+// acc[r][p] continues its FMA chain over inputs [begin, end): R rows x P panels.
+template <int R, int P, typename W>
+inline void chain(const float* x, int64_t ldx, const W* panels, int64_t panel_stride, int64_t begin, int64_t end,
+                  int64_t k, Prefetch prefetch, __m512 (&acc)[R][P]) {
+  for (int64_t i = begin; i < end; ++i) {
+    prefetch.step(i, k);
+    __m512 w[P];
+    for (int p = 0; p < P; ++p) w[p] = load_panel(panels + p * panel_stride + i * kPanel);
+    for (int r = 0; r < R; ++r) {
+      const __m512 xv = _mm512_set1_ps(x[r * ldx + i]);
+      for (int p = 0; p < P; ++p) acc[r][p] = _mm512_fmadd_ps(xv, w[p], acc[r][p]);
+    }
+  }
+}
+
+template <int R, int P>
+inline void zero(__m512 (&acc)[R][P]) {
+  for (int r = 0; r < R; ++r)
+    for (int p = 0; p < P; ++p) acc[r][p] = _mm512_setzero_ps();
+}
+
 // Grouped weights: each group's chains in registers, folded into the running sums in c.
 template <int R, int P, typename W>
 void tile_grouped(const float* x, int64_t ldx, const W* panels, int64_t panel_stride, float* c, Prefetch prefetch,
@@ -127,17 +148,8 @@ void tile_grouped(const float* x, int64_t ldx, const W* panels, int64_t panel_st
   for (int i = 0; i < R * P * kPanel; ++i) c[i] = 0.0f;
   for (int64_t g = 0; g < groups.count; ++g) {
     __m512 part[R][P];
-    for (int r = 0; r < R; ++r)
-      for (int p = 0; p < P; ++p) part[r][p] = _mm512_setzero_ps();
-    for (int64_t i = g * groups.size; i < (g + 1) * groups.size; ++i) {
-      prefetch.step(i, k);
-      __m512 w[P];
-      for (int p = 0; p < P; ++p) w[p] = load_panel(panels + p * panel_stride + i * kPanel);
-      for (int r = 0; r < R; ++r) {
-        const __m512 xv = _mm512_set1_ps(x[r * ldx + i]);
-        for (int p = 0; p < P; ++p) part[r][p] = _mm512_fmadd_ps(xv, w[p], part[r][p]);
-      }
-    }
+    zero(part);
+    chain(x, ldx, panels, panel_stride, g * groups.size, (g + 1) * groups.size, k, prefetch, part);
     for (int p = 0; p < P; ++p) {
       const int64_t at = (p * groups.count + g) * kPanel;
       const __m512 scale = _mm512_loadu_ps(groups.scales + at);
@@ -159,23 +171,29 @@ void tile(const float* x, int64_t ldx, const W* panels, int64_t panel_stride, in
           Prefetch prefetch, Groups groups) {
   if (groups) return tile_grouped<R, P>(x, ldx, panels, panel_stride, c, prefetch, groups);
   __m512 acc[R][P];
-  for (int r = 0; r < R; ++r)
-    for (int p = 0; p < P; ++p) acc[r][p] = _mm512_setzero_ps();
-  for (int64_t i = 0; i < k; ++i) {
-    prefetch.step(i, k);
-    __m512 w[P];
-    for (int p = 0; p < P; ++p) w[p] = load_panel(panels + p * panel_stride + i * kPanel);
-    for (int r = 0; r < R; ++r) {
-      const __m512 xv = _mm512_set1_ps(x[r * ldx + i]);
-      for (int p = 0; p < P; ++p) acc[r][p] = _mm512_fmadd_ps(xv, w[p], acc[r][p]);
-    }
-  }
+  zero(acc);
+  chain(x, ldx, panels, panel_stride, 0, k, k, prefetch, acc);
   for (int r = 0; r < R; ++r)
     for (int p = 0; p < P; ++p) _mm512_storeu_ps(c + r * P * kPanel + p * kPanel, acc[r][p]);
 }
 #elif defined(__AVX2__) && defined(__FMA__)
 constexpr int kTileRows = 6;  // 6 rows x 2 ymm (one panel) = 12 accumulators
 constexpr int kTilePanels = 1;
+
+// lo[r], hi[r] continue their FMA chains over inputs [begin, end): R rows x one panel.
+template <int R, typename W>
+inline void chain(const float* x, int64_t ldx, const W* panels, int64_t begin, int64_t end, int64_t k,
+                  Prefetch prefetch, __m256 (&lo)[R], __m256 (&hi)[R]) {
+  for (int64_t i = begin; i < end; ++i) {
+    prefetch.step(i, k);
+    const __m256 wl = load8(panels + i * kPanel), wh = load8(panels + i * kPanel + 8);
+    for (int r = 0; r < R; ++r) {
+      const __m256 xv = _mm256_broadcast_ss(x + r * ldx + i);
+      lo[r] = _mm256_fmadd_ps(xv, wl, lo[r]);
+      hi[r] = _mm256_fmadd_ps(xv, wh, hi[r]);
+    }
+  }
+}
 
 template <int R, typename W>
 void tile_grouped(const float* x, int64_t ldx, const W* panels, float* c, Prefetch prefetch, Groups groups) {
@@ -184,15 +202,7 @@ void tile_grouped(const float* x, int64_t ldx, const W* panels, float* c, Prefet
   for (int64_t g = 0; g < groups.count; ++g) {
     __m256 lo[R], hi[R];
     for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
-    for (int64_t i = g * groups.size; i < (g + 1) * groups.size; ++i) {
-      prefetch.step(i, k);
-      const __m256 wl = load8(panels + i * kPanel), wh = load8(panels + i * kPanel + 8);
-      for (int r = 0; r < R; ++r) {
-        const __m256 xv = _mm256_broadcast_ss(x + r * ldx + i);
-        lo[r] = _mm256_fmadd_ps(xv, wl, lo[r]);
-        hi[r] = _mm256_fmadd_ps(xv, wh, hi[r]);
-      }
-    }
+    chain(x, ldx, panels, g * groups.size, (g + 1) * groups.size, k, prefetch, lo, hi);
     const float* scale = groups.scales + g * kPanel;
     const float* min = groups.mins ? groups.mins + g * kPanel : nullptr;
     for (int r = 0; r < R; ++r) {
@@ -217,15 +227,7 @@ void tile(const float* x, int64_t ldx, const W* panels, int64_t, int64_t k, floa
   if (groups) return tile_grouped<R>(x, ldx, panels, c, prefetch, groups);
   __m256 lo[R], hi[R];
   for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
-  for (int64_t i = 0; i < k; ++i) {
-    prefetch.step(i, k);
-    const __m256 wl = load8(panels + i * kPanel), wh = load8(panels + i * kPanel + 8);
-    for (int r = 0; r < R; ++r) {
-      const __m256 xv = _mm256_broadcast_ss(x + r * ldx + i);
-      lo[r] = _mm256_fmadd_ps(xv, wl, lo[r]);
-      hi[r] = _mm256_fmadd_ps(xv, wh, hi[r]);
-    }
-  }
+  chain(x, ldx, panels, 0, k, k, prefetch, lo, hi);
   for (int r = 0; r < R; ++r) {
     _mm256_storeu_ps(c + r * kPanel, lo[r]);
     _mm256_storeu_ps(c + r * kPanel + 8, hi[r]);
