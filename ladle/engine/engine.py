@@ -55,7 +55,7 @@ class LLMEngine:
         self.tokenizer = Tokenizer.from_folder(folder)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.model_config.eos_token_ids)
         self.dtype = choose_dtype(config.dtype)
-        kv_name = self._kv_cache_dtype_name()
+        self.kv_cache_dtype_name = kv_name = self._kv_cache_dtype_name()
         self.kv_dtype = KV_8BIT.get(kv_name) or DTYPES[kv_name]
         native = kernels.native_kernels()
         self.isa = native.isa if native is not None else "torch"
@@ -87,12 +87,12 @@ class LLMEngine:
         routing = self.runner.model.routing
         return {"dtype": self.dtype.name, "dtype_reason": self.dtype.reason, "quantization": self.config.quantization,
                 "weights": describe_weights(self.runner.model.linears),
-                "kv_cache_dtype": self._kv_cache_dtype_name(), "kernels": self.isa,
+                "kv_cache_dtype": self.kv_cache_dtype_name, "kernels": self.isa,
                 "matmul": f"decode {routing.decode}, prefill {routing.prefill}"}
 
     def cache_config_info(self) -> dict[str, str]:
         """The KV pool as vLLM's `vllm:cache_config_info` labels it (blocks are CPU blocks here)."""
-        return {"block_size": str(self.config.block_size), "cache_dtype": self._kv_cache_dtype_name(),
+        return {"block_size": str(self.config.block_size), "cache_dtype": self.kv_cache_dtype_name,
                 "num_gpu_blocks": str(self.kv.num_blocks),
                 "enable_prefix_caching": str(self.config.enable_prefix_caching)}
 

@@ -18,6 +18,7 @@ from gguf.quants import dequantize
 from safetensors.torch import save_file
 
 from ladle.model import gguf_blocks
+from ladle.model.loader import GROUPED_SUFFIXES
 
 HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 SHARD_BYTES = 2 << 30  # float32 shards of about 2 GiB keep peak memory low on big models
@@ -168,7 +169,7 @@ def _grouped_tensors(t: ReaderTensor, name: str, cfg: dict[str, Any]) -> dict[st
     parts = gguf_blocks.unpack(t.data, t.tensor_type, rows, cols)
     base = name.removesuffix(".weight")
     out = {}
-    for suffix, a in zip((".qweight", ".qscales", ".qmins"), parts):
+    for suffix, a in zip(GROUPED_SUFFIXES, parts):  # values, scales, minimums
         if a is not None:
             out[base + suffix] = torch.from_numpy(np.ascontiguousarray(_unpermuted(a, t.name, cfg)))
     return out

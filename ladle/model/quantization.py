@@ -32,7 +32,6 @@ from ladle.model.layers import Linear
 log = logging.getLogger(__name__)
 
 
-
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(Q int8 [out, in], scales float32 [out]) with weight ~= Q * scales[:, None]."""
     w = weight.float()
