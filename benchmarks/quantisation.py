@@ -14,7 +14,7 @@ int8 or fp8 e4m3 with a scale per token and head, `--kv-cache-dtype`):
   accuracy  perplexity on a fixed ~340-token text and top-1 agreement with the model's first
             row (float32 weights and KV) at every position (teacher-forced)
 
-Not yet here (issue 14): 4-bit checkpoints (GPTQ/AWQ).
+4-bit GPTQ and AWQ checkpoints load into the same grouped layers as a GGUF's Q4 blocks (ladle.model.int4_checkpoints).
 
 Usage: python benchmarks/quantisation.py [--models embedded,~/.cache/ladle/bench-models/qwen2-0.5b-shape,x.gguf]
                                          [--kv float32,int8,fp8]

@@ -68,10 +68,14 @@ def resolve_model_path(model: str | Path | None) -> Path:
 
 
 def load_weights(folder: Path, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor | GroupedWeight]:
-    """All tensors of the *.safetensors files in `folder` (sharded or not), with HF names: float ones in
-    `dtype` (default float32); a GGUF's quantised blocks (NAME.qweight, .qscales, .qmins, written by
-    the converter beside NAME.weight's float values) as one GroupedWeight under NAME.weight, in place
-    of the float values (the same numbers: GroupedWeight.dequantize gives them back)."""
+    """All tensors of the *.safetensors files in `folder` (sharded or not), with HF names, float ones in
+    `dtype` (default float32). Quantised layers become one GroupedWeight under NAME.weight: a GGUF's
+    blocks (NAME.qweight, .qscales, .qmins, written by the converter beside NAME.weight's float
+    values, which they stand in for: GroupedWeight.dequantize gives them back), or a GPTQ or AWQ
+    checkpoint's packed 4-bit layers, as config.json's quantization_config names them
+    (ladle.model.int4_checkpoints)."""
+    import json
+
     import torch
     from safetensors import safe_open
 
@@ -85,13 +89,16 @@ def load_weights(folder: Path, dtype: torch.dtype | None = None) -> dict[str, to
         with safe_open(str(file), framework="pt") as f:
             names = list(f.keys())
             in_blocks = {n.removesuffix(".qweight") + ".weight" for n in names if n.endswith(".qweight")}
-            for name in names:
-                if name in in_blocks:
-                    continue  # its blocks stand in for it
-                t = f.get_tensor(name)
-                weights[name] = t if name.endswith(GROUPED_SUFFIXES) else t.to(dtype or torch.float32)
+            weights.update((name, f.get_tensor(name)) for name in names if name not in in_blocks)
+    config = Path(folder) / "config.json"
+    qc = json.loads(config.read_text()).get("quantization_config") if config.is_file() else None
+    if qc:
+        from ladle.model.int4_checkpoints import read_checkpoint
+
+        weights = read_checkpoint(weights, qc)
     for name in [n for n in weights if n.endswith(".qweight")]:
         base = name.removesuffix(".qweight")
-        weights[f"{base}.weight"] = GroupedWeight(weights.pop(name), weights.pop(f"{base}.qscales"),
+        weights[f"{base}.weight"] = GroupedWeight(weights.pop(name), weights.pop(f"{base}.qscales").float(),
                                                   weights.pop(f"{base}.qmins", None))
-    return weights
+    return {name: w.to(dtype or torch.float32) if isinstance(w, torch.Tensor) and w.is_floating_point() else w
+            for name, w in weights.items()}

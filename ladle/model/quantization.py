@@ -53,6 +53,7 @@ class GroupedWeight:
     q: torch.Tensor  # int8 [out, in]
     scales: torch.Tensor  # float32 [out, in / size]
     mins: torch.Tensor | None = None
+    source: str = "GGUF blocks"  # what the checkpoint held, for the start log
 
     @property
     def size(self) -> int:
@@ -78,16 +79,17 @@ def cat_weights(parts: list[torch.Tensor | GroupedWeight], dtype: torch.dtype) -
         mins = None
         if any(p.mins is not None for p in grouped):
             mins = torch.cat([p.mins if p.mins is not None else torch.zeros_like(p.scales) for p in grouped])
-        return GroupedWeight(torch.cat([p.q for p in grouped]), torch.cat([p.scales for p in grouped]), mins)
+        return GroupedWeight(torch.cat([p.q for p in grouped]), torch.cat([p.scales for p in grouped]), mins,
+                             " + ".join(sorted({p.source for p in grouped})))
     return torch.cat([p.dequantize(dtype) if isinstance(p, GroupedWeight) else p for p in parts])
 
 
 def describe(linears: list[Linear]) -> str:
     """How a model's linear weights are held, for the start log and /version."""
-    grouped = {lin.group_size for lin in linears if lin.quantized and lin.group_size}
+    grouped = {(lin.group_size, lin.source) for lin in linears if lin.quantized and lin.group_size}
     per_row = sum(lin.quantized and not lin.group_size for lin in linears)
     floats = sum(not lin.quantized for lin in linears)
-    parts = [f"int8 in groups of {size} (GGUF blocks)" for size in sorted(grouped)]
+    parts = [f"int8 in groups of {size} ({source})" for size, source in sorted(grouped)]
     parts += ["int8 per row"] * bool(per_row) + ["float"] * bool(floats)
     return " + ".join(parts)
 
@@ -110,6 +112,7 @@ class Int8Linear(Linear):
         dtype = dtype or (torch.float32 if grouped else weight.dtype)
         q, self.scales = (weight.q, None) if grouped else quantize_int8(weight)
         self.group_size = weight.size if grouped else None  # None: a scale per output row
+        self.source = weight.source if grouped else "quantised at load"
         native = kernels.native_kernels()
         if native is None:
             float_weight = weight.dequantize(dtype) if grouped else dequantize_int8(q, self.scales).to(dtype)

@@ -1,0 +1,178 @@
+"""4-bit GPTQ and AWQ checkpoints: a tiny Llama quantised to 4 bits in groups of 32, written in each
+format by this test's own packers, served by ladle and compared with transformers running the same
+model on the dequantised weights (scale * (q - zero), in float32)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from test_engine_vs_hf import check_logprobs
+from tiny_models import build_tiny_model
+
+from ladle import LLM, SamplingParams
+from ladle.model.quantization import Int8Linear
+
+GROUP = 32
+PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+               "mlp.up_proj", "mlp.down_proj")
+PROMPTS = ["The capital of France is", "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,", "Write a haiku about the sea."]
+
+
+def quantise(w: torch.Tensor, sym: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w [out, in] -> q [in, out] (0..15), zeros and fp16 scales [in / GROUP, out], as GPTQ and AWQ lay them out."""
+    g = w.T.reshape(-1, GROUP, w.shape[0])  # [groups, GROUP, out]
+    if sym:
+        scales = (g.abs().amax(1) / 7.5).half()
+        zeros = torch.full_like(scales, 8, dtype=torch.int32)
+    else:
+        lo, hi = g.amin(1), g.amax(1)
+        scales = ((hi - lo) / 15).half()
+        zeros = torch.round(-lo / scales.float()).clamp(0, 15).to(torch.int32)
+    q = torch.round(g / scales.float()[:, None] + zeros[:, None]).clamp(0, 15).to(torch.int32)
+    return q.reshape(w.shape[1], w.shape[0]), zeros, scales
+
+
+def dequantised(q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor) -> torch.Tensor:
+    return (scales.float()[g_idx] * (q - zeros[g_idx]).float()).T.contiguous()
+
+
+def pack_rows(values: torch.Tensor) -> torch.Tensor:
+    """GPTQ's qweight: eight rows per int32 row, row 8i + j in bits 4j."""
+    v = values.to(torch.int64).reshape(-1, 8, values.shape[1])
+    return _as_int32(sum(v[:, j] << (4 * j) for j in range(8)))
+
+
+def pack_columns(values: torch.Tensor, order: tuple[int, ...] = tuple(range(8))) -> torch.Tensor:
+    """Eight columns per int32 column, column 8c + order[j] in bits 4j (GPTQ's qzeros; AWQ's everything)."""
+    v = values.to(torch.int64).reshape(values.shape[0], -1, 8)
+    return _as_int32(sum(v[:, :, order[j]] << (4 * j) for j in range(8)))
+
+
+def _as_int32(words: torch.Tensor) -> torch.Tensor:
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def write_checkpoint(src: Path, out: Path, method: str, sym: bool = False, act_order: bool = False,
+                     v2: bool = False) -> dict[str, torch.Tensor]:
+    """The float tiny model at `src` quantised into `out`; returns the dequantised weights by HF name."""
+    from safetensors.torch import load_file
+
+    tensors = load_file(src / "model.safetensors")
+    config = json.loads((src / "config.json").read_text())
+    layers = config["num_hidden_layers"]
+    dequant = {}
+    for i in range(layers):
+        for proj in PROJECTIONS:
+            name = f"model.layers.{i}.{proj}"
+            w = tensors.pop(name + ".weight")
+            in_features = w.shape[1]
+            g_idx = torch.arange(in_features, dtype=torch.int32) // GROUP
+            if act_order:  # GPTQ's desc_act: inputs quantised in a permuted order, groups scattered
+                perm = torch.randperm(in_features, generator=torch.Generator().manual_seed(i))
+                q, zeros, scales = quantise(w[:, perm], sym)
+                g_idx = torch.empty_like(g_idx)
+                g_idx[perm] = torch.arange(in_features, dtype=torch.int32) // GROUP
+                inverse = torch.argsort(perm)
+                q = q[inverse]
+            else:
+                q, zeros, scales = quantise(w, sym)
+            dequant[name + ".weight"] = dequantised(q, zeros, scales, g_idx.long())
+            if method == "awq":
+                tensors[name + ".qweight"] = pack_columns(q, AWQ_PACK_ORDER)
+                tensors[name + ".qzeros"] = pack_columns(zeros, AWQ_PACK_ORDER)
+            else:
+                tensors[name + ".qweight"] = pack_rows(q)
+                tensors[name + ".qzeros"] = pack_columns(zeros if v2 else zeros - 1)
+                tensors[name + ".g_idx"] = g_idx
+            tensors[name + ".scales"] = scales
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, out / "model.safetensors")
+    qc = {"quant_method": method, "bits": 4, "group_size": GROUP}
+    qc.update({"version": "gemm", "zero_point": True} if method == "awq" else
+              {"desc_act": act_order, "sym": sym, "checkpoint_format": "gptq_v2" if v2 else "gptq"})
+    (out / "config.json").write_text(json.dumps({**config, "quantization_config": qc}))
+    for f in src.iterdir():
+        if f.name not in ("config.json", "model.safetensors"):
+            (out / f.name).write_bytes(f.read_bytes())
+    return dequant
+
+
+AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ's order_map: nibble j takes column order[j]
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory, smollm2_dir: Path) -> Path:
+    return build_tiny_model("llama", tmp_path_factory.mktemp("float"), smollm2_dir, hidden_size=128,
+                            intermediate_size=256)
+
+
+def hf_on(folder: Path, weights: dict[str, torch.Tensor]):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    model.load_state_dict(weights, strict=False)
+    return model
+
+
+CASES = {
+    "gptq-sym": dict(method="gptq", sym=True),
+    "gptq-asym-v2": dict(method="gptq", v2=True),
+    "gptq-asym": dict(method="gptq"),
+    "awq": dict(method="awq"),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_4bit_checkpoint_matches_transformers_on_its_dequantised_weights(tiny_llama: Path, tmp_path: Path,
+                                                                        case: str) -> None:
+    dequant = write_checkpoint(tiny_llama, tmp_path / case, **CASES[case])
+    llm = LLM(str(tmp_path / case), dtype="float32")
+    layers = [lin for layer in llm.engine.runner.model.layers for lin in layer.linears]
+    assert all(isinstance(lin, Int8Linear) and lin.quantized and lin.group_size == GROUP for lin in layers)
+    method = CASES[case]["method"].upper()
+    assert llm.engine.runtime_info()["weights"] == f"int8 in groups of {GROUP} ({method}) + float"  # + the LM head
+    if CASES[case].get("sym"):
+        assert all(lin._groups[2] is None for lin in layers)  # one zero point: no minimums to add
+    hf = hf_on(tiny_llama, dequant)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=3, prompt_logprobs=1)
+    for res in llm.generate(PROMPTS, params):
+        assert check_logprobs(res, hf, 3) < 2e-4, case
+
+
+def test_act_order_gptq_is_served_as_float_with_the_same_weights(tiny_llama: Path, tmp_path: Path) -> None:
+    dequant = write_checkpoint(tiny_llama, tmp_path / "act", "gptq", act_order=True)
+    llm = LLM(str(tmp_path / "act"), dtype="float32")
+    assert llm.engine.runtime_info()["weights"] == "float"
+    hf = hf_on(tiny_llama, dequant)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=3, prompt_logprobs=1)
+    for res in llm.generate(PROMPTS, params):
+        assert check_logprobs(res, hf, 3) < 2e-4
+
+
+def test_quantization_none_dequantises_a_4bit_checkpoint(tiny_llama: Path, tmp_path: Path) -> None:
+    write_checkpoint(tiny_llama, tmp_path / "awq", "awq")
+    grouped, floats = LLM(str(tmp_path / "awq"), dtype="float32"), LLM(str(tmp_path / "awq"), quantization="none")
+    assert floats.engine.runtime_info()["weights"] == "float"
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    assert ([r.outputs[0].token_ids for r in grouped.generate(PROMPTS, params)]
+            == [r.outputs[0].token_ids for r in floats.generate(PROMPTS, params)])
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("bits", 8, "bits 8"),
+    ("quant_method", "bitsandbytes", "quant_method 'bitsandbytes'"),
+    ("version", "gemv", "version 'gemv'"),
+])
+def test_unreadable_quantization_configs_are_refused_by_name(tiny_llama: Path, tmp_path: Path, field: str,
+                                                             value, message: str) -> None:
+    folder = tmp_path / "awq"
+    write_checkpoint(tiny_llama, folder, "awq")
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"][field] = value
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=f"quantization_config.{message}"):
+        LLM(str(folder))
