@@ -29,26 +29,31 @@ def test_blocks_repack_to_exactly_gguf_pys_weights(qtype: Q) -> None:
     blocks = quantize(w, qtype)
     q, scales, mins = (None if a is None else torch.from_numpy(a) for a in gguf_blocks.unpack(blocks, qtype, 7, 160))
     grouped = GroupedWeight(q, scales, mins)
-    assert q.dtype == torch.int8 and grouped.size == 32 and (mins is None) == (qtype != Q.Q4_1)
+    assert q.dtype == torch.int8 and grouped.size == 32 and (mins is None) == (qtype == Q.Q8_0)
+    assert grouped.four_bit == (qtype != Q.Q8_0)  # the 4-bit types keep q in 0..15, offsets in the minimums
     assert torch.equal(grouped.dequantize(), torch.from_numpy(dequantize(blocks, qtype).reshape(7, 160)))
     with pytest.raises(ValueError, match="does not hold"):
         gguf_blocks.unpack(blocks, qtype, 7, 128)
 
 
-def grouped_operands(k: int, n: int, size: int, rows: int = 40, mins: bool = True):
+def grouped_operands(k: int, n: int, size: int, rows: int = 40, mins: bool = True, four_bit: bool = False):
     gen = torch.Generator().manual_seed(k + n)
-    q = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+    q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.int8) if four_bit else \
+        torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
     scales = torch.rand(n, k // size, generator=gen) * 0.02
     m = torch.randn(n, k // size, generator=gen) * 0.1 if mins else None
     return torch.randn(rows, k, generator=gen), GroupedWeight(q, scales, m), torch.randn(n, generator=gen)
 
 
+@pytest.mark.parametrize("four_bit", [False, True], ids=["int8", "4-bit"])
 @pytest.mark.parametrize("mins", [False, True])
 @pytest.mark.parametrize("shape", [(64, 5), (576, 960), (1536, 576), (96, 33)])
-def test_grouped_kernel_matches_float64_and_is_row_invariant(isa_kernels, shape, mins: bool) -> None:
+def test_grouped_kernel_matches_float64_and_is_row_invariant(isa_kernels, shape, mins: bool, four_bit: bool) -> None:
     k, n = shape
-    x, w, b = grouped_operands(k, n, 32, mins=mins)
-    packed = isa_kernels.pack_panels(w.q)
+    x, w, b = grouped_operands(k, n, 32, mins=mins, four_bit=four_bit)
+    packed = isa_kernels.pack_panels(w.q, four_bit=four_bit)
+    assert packed.dtype == (torch.uint8 if four_bit else torch.int8) and packed.numel() == -(-n // 16) * 16 * k // (
+        1 + four_bit)
     groups = (32, isa_kernels.pack_groups(w.scales), None if w.mins is None else isa_kernels.pack_groups(w.mins))
     y = isa_kernels.canonical_linear(x, packed, n, b, groups=groups)
     ref = x.double() @ w.dequantize(torch.float64).T + b.double()
@@ -61,12 +66,13 @@ def test_grouped_kernel_matches_float64_and_is_row_invariant(isa_kernels, shape,
         isa_kernels.canonical_linear(x, packed, n, b, torch.ones(n), groups)
 
 
-def test_grouped_kernel_is_each_groups_chain_folded_in(isa_kernels) -> None:
+@pytest.mark.parametrize("four_bit", [False, True], ids=["int8", "4-bit"])
+def test_grouped_kernel_is_each_groups_chain_folded_in(isa_kernels, four_bit: bool) -> None:
     """The definition, element by element: each group's FMA chain from zero, then
     acc = fma(chain, scale, acc) and acc = fma(x's group sum, min, acc); then + bias."""
-    x, w, b = grouped_operands(64, 19, 16, rows=3)
+    x, w, b = grouped_operands(64, 19, 16, rows=3, four_bit=four_bit)
     groups = (16, isa_kernels.pack_groups(w.scales), isa_kernels.pack_groups(w.mins))
-    y = isa_kernels.canonical_linear(x, isa_kernels.pack_panels(w.q), 19, b, groups=groups)
+    y = isa_kernels.canonical_linear(x, isa_kernels.pack_panels(w.q, four_bit=four_bit), 19, b, groups=groups)
     for row, col in ((0, 0), (1, 16), (2, 18)):
         acc = 0.0
         for g in range(4):
@@ -77,6 +83,21 @@ def test_grouped_kernel_is_each_groups_chain_folded_in(isa_kernels) -> None:
             acc = to_float32(Fraction(part) * Fraction(w.scales[col, g].item()) + Fraction(acc))
             acc = to_float32(Fraction(xsum) * Fraction(w.mins[col, g].item()) + Fraction(acc))
         assert y[row, col].item() == to_float32(Fraction(acc) + Fraction(b[col].item()))
+
+
+def test_4bit_panels_hold_the_same_values_as_int8_panels(isa_kernels) -> None:
+    """Two values to a byte is only storage: every row count (the wide decode tile, several row
+    tiles sharing widened panels) gives the int8 panels' very bits."""
+    x, w, b = grouped_operands(320, 70, 32, rows=30, four_bit=True)
+    groups = (32, isa_kernels.pack_groups(w.scales), isa_kernels.pack_groups(w.mins))
+    int8, four = isa_kernels.pack_panels(w.q), isa_kernels.pack_panels(w.q, four_bit=True)
+    for rows in (1, 2, 3, 13, 30):
+        assert torch.equal(isa_kernels.canonical_linear(x[:rows], four, 70, b, groups=groups),
+                           isa_kernels.canonical_linear(x[:rows], int8, 70, b, groups=groups)), rows
+    with pytest.raises(ValueError, match="0..15"):
+        isa_kernels.pack_panels(w.q - 1, four_bit=True)
+    with pytest.raises(ValueError, match="4-bit panels"):
+        isa_kernels.canonical_linear(x, four, 70, b, groups=(5, isa_kernels.pack_groups(torch.rand(70, 64)), None))
 
 
 @pytest.fixture(scope="module")

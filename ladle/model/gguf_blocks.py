@@ -7,11 +7,12 @@ is the very number llama.cpp's (and gguf-py's) dequantisation gives: the fp16 sc
 exactly, and scale * q needs at most 19 of float32's 24 significant bits.
 
     Q8_0  34 bytes: fp16 d, 32 x int8 q                 w = d * q
-    Q4_0  18 bytes: fp16 d, 16 bytes of 4-bit q         w = d * (q - 8)
+    Q4_0  18 bytes: fp16 d, 16 bytes of 4-bit q         w = d * (q - 8) = d * q + (-8 d)
     Q4_1  20 bytes: fp16 d, fp16 m, 16 bytes of 4-bit q w = d * q + m
 
-(4-bit q: element j < 16 in the low nibble of byte j, element 16 + j in its high nibble.)
-The grouped int8 kernel reads one byte per weight where the float path reads four.
+(4-bit q: element j < 16 in the low nibble of byte j, element 16 + j in its high nibble.) The
+4-bit types keep q as it is (0..15), Q4_0's offset going into its minimums, so the kernel can
+hold them two to a byte: it reads half a byte per weight where the float path reads four.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ def unpack(data: np.ndarray, qtype: GGMLQuantizationType, rows: int,
         nibbles = blocks[:, 2:] if qtype == GGMLQuantizationType.Q4_0 else blocks[:, 4:]
         q = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=1).astype(np.int8)
         if qtype == GGMLQuantizationType.Q4_0:
-            q -= 8
+            mins = -8 * scales  # exact: a power of two times an fp16
         else:
             mins = blocks[:, 2:4].copy().view(np.float16).astype(np.float32).reshape(rows, -1)
     return q.reshape(rows, cols), scales, mins

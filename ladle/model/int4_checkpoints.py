@@ -5,9 +5,9 @@ Both store, per linear layer NAME, 4-bit integers packed eight to an int32, a fl
 
     weight[n, k] = scale[g, n] * (q[k, n] - zero[g, n]),     g = k // group_size
 
-which is a GroupedWeight (ladle.model.quantization) with q as it is (0..15), the scales, and
-minimums -zero * scale (exact in float32: an fp16 scale times an integer below 32). When every
-zero point is the same (GPTQ's `sym`: 8), q - zero is stored instead and there is no minimum.
+which is a GroupedWeight (ladle.model.quantization) with q as it is (0..15, so the kernel holds it
+two to a byte), the scales, and minimums -zero * scale (exact in float32: an fp16 scale times an
+integer below 32).
 
     GPTQ  NAME.qweight int32 [in / 8, out]   input 8i + j in bits 4j..4j+3 of row i
           NAME.qzeros  int32 [groups, out / 8], column 8c + j in bits 4j of column c; the classic
@@ -85,8 +85,6 @@ def read_layer(method: str, tensors: dict[str, torch.Tensor], qc: dict[str, Any]
         rows = g_idx.long()
         return (scales[rows] * (q - zeros[rows])).T.contiguous()
     q, scales, zeros = q.T, scales.T.contiguous(), zeros.T
-    if bool((zeros == zeros.flatten()[0]).all()):  # symmetric: one zero point for all
-        return GroupedWeight((q - zeros.flatten()[0]).to(torch.int8).contiguous(), scales, source=method.upper())
     return GroupedWeight(q.to(torch.int8).contiguous(), scales, (-zeros * scales).contiguous(), method.upper())
 
 

@@ -3,10 +3,12 @@ canonical kernel.
 
 Two forms. Per output row (`--quantization int8` on a float model): quantised at load,
 symmetric, s = max|W_row| / 127, Q = round(W / s), and y = (x Q^T) * s + b. Grouped (a GGUF's
-Q8_0 / Q4_0 / Q4_1 blocks, repacked exactly by ladle.model.gguf_blocks): a scale, and maybe a
-minimum, per output row and group of 32 inputs, each group's sum folded in by its scale. Either
-way a decode step reads one byte per weight instead of four, which is what bounds it.
-Activations, sums and outputs stay in float32.
+Q8_0 / Q4_0 / Q4_1 blocks, repacked exactly by ladle.model.gguf_blocks; GPTQ and AWQ layers,
+ladle.model.int4_checkpoints): a scale, and maybe a minimum, per output row and group of inputs,
+each group's sum folded in by its scale. A decode step reads one byte per weight instead of
+four, which is what bounds it, and half a byte where the values fit 4 bits (0..15: the 4-bit
+formats, their offsets kept in the minimums), held two to a byte. Activations, sums and outputs
+stay in float32.
 
 The int8 weights live only as the canonical kernel's panels (16 output columns per panel,
 widened to float on the fly). That kernel fixes each output's FMA chain whatever the rows of
@@ -54,6 +56,12 @@ class GroupedWeight:
     scales: torch.Tensor  # float32 [out, in / size]
     mins: torch.Tensor | None = None
     source: str = "GGUF blocks"  # what the checkpoint held, for the start log
+
+    @property
+    def four_bit(self) -> bool:
+        """Whether the values fit 4 bits (0..15) over an even number of inputs per group: the kernel
+        then holds them two to a byte."""
+        return self.size % 2 == 0 and bool(self.q.min() >= 0) and bool(self.q.max() <= 15)
 
     @property
     def size(self) -> int:
@@ -121,7 +129,7 @@ class Int8Linear(Linear):
             return
         super().__init__(torch.empty(0, q.shape[1], dtype=dtype), bias)  # no float copy of W
         self.out_features = q.shape[0]
-        self._int8_panels = native.pack_panels(q)
+        self._int8_panels = native.pack_panels(q, four_bit=grouped and weight.four_bit)
         self._groups = None
         if grouped:
             mins = None if weight.mins is None else native.pack_groups(weight.mins)

@@ -14,7 +14,10 @@
 // float exactly, and each output's sum is multiplied by its column's scale at the end:
 // y[m, n] = acc * scale[n] + bias[n], the same operations on every path.
 //
-// Grouped int8 weights (GGUF's Q8_0, Q4_0, Q4_1, Q4_K blocks, repacked exactly) carry a scale,
+// 4-bit weights (values 0..15) are packed two to a byte, inputs 2t and 2t + 1 of a column in the
+// low and high nibble of its byte at [p][t][j]: half the bytes, the same values, so the same bits.
+//
+// Grouped int8 weights (GGUF's Q8_0, Q4_0, Q4_1 blocks, GPTQ and AWQ layers) carry a scale,
 // and optionally a minimum, per column and group of G inputs. Each group's chain starts at
 // zero and is folded into the output's running sum:
 //
@@ -28,6 +31,7 @@
 #include "simd.h"
 
 #include <algorithm>
+#include <type_traits>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -80,6 +84,15 @@ struct Groups {
   }
 };
 
+// Panel column `w`'s weight for input i (w points at its first element).
+template <typename W>
+inline float weight_at(const W* w, int64_t i) { return to_float(w[i * kPanel]); }
+inline float weight_at(const int4x2* w, int64_t i) { return float((w[(i / 2) * kPanel].bits >> (4 * (i & 1))) & 15); }
+
+// Elements of W one panel of k inputs takes.
+template <typename W>
+constexpr int64_t panel_elements(int64_t k) { return std::is_same_v<W, int4x2> ? k / 2 * kPanel : k * kPanel; }
+
 // The reference order, one element at a time: every vector path must agree with it bit for bit.
 // c holds `panels` panels per row (row stride panels * 16); panel_stride apart in w.
 template <typename W>
@@ -91,12 +104,12 @@ void tile_scalar(const float* x, int64_t ldx, const W* panels, int64_t panel_str
         const W* w = panels + p * panel_stride + j;
         float acc = 0.0f;
         if (!groups) {
-          for (int64_t i = 0; i < k; ++i) acc = std::fma(x[m * ldx + i], to_float(w[i * kPanel]), acc);
+          for (int64_t i = 0; i < k; ++i) acc = std::fma(x[m * ldx + i], weight_at(w, i), acc);
         } else {
           for (int64_t g = 0; g < groups.count; ++g) {
             float part = 0.0f;
             for (int64_t i = g * groups.size; i < (g + 1) * groups.size; ++i)
-              part = std::fma(x[m * ldx + i], to_float(w[i * kPanel]), part);
+              part = std::fma(x[m * ldx + i], weight_at(w, i), part);
             const int64_t at = (p * groups.count + g) * kPanel + j;
             acc = std::fma(part, groups.scales[at], acc);
             if (groups.mins) acc = std::fma(groups.xsums[m * groups.count + g], groups.mins[at], acc);
@@ -123,13 +136,27 @@ inline __m512 load_panel(const W* p) {
 template <int R, int P, typename W>
 inline void chain(const float* x, int64_t ldx, const W* panels, int64_t panel_stride, int64_t begin, int64_t end,
                   int64_t k, Prefetch prefetch, __m512 (&acc)[R][P]) {
-  for (int64_t i = begin; i < end; ++i) {
-    prefetch.step(i, k);
-    __m512 w[P];
-    for (int p = 0; p < P; ++p) w[p] = load_panel(panels + p * panel_stride + i * kPanel);
-    for (int r = 0; r < R; ++r) {
-      const __m512 xv = _mm512_set1_ps(x[r * ldx + i]);
-      for (int p = 0; p < P; ++p) acc[r][p] = _mm512_fmadd_ps(xv, w[p], acc[r][p]);
+  if constexpr (std::is_same_v<W, int4x2>) {  // two inputs per byte: each pair's bytes widened once
+    for (int64_t i = begin; i < end; i += 2) {
+      prefetch.step(i, k);
+      prefetch.step(i + 1, k);
+      for (int p = 0; p < P; ++p) {
+        const __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(panels + p * panel_stride + i / 2 * kPanel)));
+        const __m512 even = _mm512_cvtepi32_ps(_mm512_and_si512(d, _mm512_set1_epi32(15)));
+        for (int r = 0; r < R; ++r) acc[r][p] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + i]), even, acc[r][p]);
+        const __m512 odd = _mm512_cvtepi32_ps(_mm512_srli_epi32(d, 4));
+        for (int r = 0; r < R; ++r) acc[r][p] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + i + 1]), odd, acc[r][p]);
+      }
+    }
+  } else {
+    for (int64_t i = begin; i < end; ++i) {
+      prefetch.step(i, k);
+      __m512 w[P];
+      for (int p = 0; p < P; ++p) w[p] = load_panel(panels + p * panel_stride + i * kPanel);
+      for (int r = 0; r < R; ++r) {
+        const __m512 xv = _mm512_set1_ps(x[r * ldx + i]);
+        for (int p = 0; p < P; ++p) acc[r][p] = _mm512_fmadd_ps(xv, w[p], acc[r][p]);
+      }
     }
   }
 }
@@ -184,13 +211,34 @@ constexpr int kTilePanels = 1;
 template <int R, typename W>
 inline void chain(const float* x, int64_t ldx, const W* panels, int64_t begin, int64_t end, int64_t k,
                   Prefetch prefetch, __m256 (&lo)[R], __m256 (&hi)[R]) {
-  for (int64_t i = begin; i < end; ++i) {
-    prefetch.step(i, k);
-    const __m256 wl = load8(panels + i * kPanel), wh = load8(panels + i * kPanel + 8);
-    for (int r = 0; r < R; ++r) {
-      const __m256 xv = _mm256_broadcast_ss(x + r * ldx + i);
-      lo[r] = _mm256_fmadd_ps(xv, wl, lo[r]);
-      hi[r] = _mm256_fmadd_ps(xv, wh, hi[r]);
+  if constexpr (std::is_same_v<W, int4x2>) {  // two inputs per byte: each pair's bytes widened once
+    const __m256i nibble = _mm256_set1_epi32(15);
+    for (int64_t i = begin; i < end; i += 2) {
+      prefetch.step(i, k);
+      prefetch.step(i + 1, k);
+      const auto* b = reinterpret_cast<const __m128i*>(panels + i / 2 * kPanel);
+      const __m256i dl = _mm256_cvtepu8_epi32(_mm_loadl_epi64(b));
+      const __m256i dh = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(
+          reinterpret_cast<const char*>(b) + 8)));
+      for (int half = 0; half < 2; ++half) {
+        const __m256 wl = _mm256_cvtepi32_ps(half ? _mm256_srli_epi32(dl, 4) : _mm256_and_si256(dl, nibble));
+        const __m256 wh = _mm256_cvtepi32_ps(half ? _mm256_srli_epi32(dh, 4) : _mm256_and_si256(dh, nibble));
+        for (int r = 0; r < R; ++r) {
+          const __m256 xv = _mm256_broadcast_ss(x + r * ldx + i + half);
+          lo[r] = _mm256_fmadd_ps(xv, wl, lo[r]);
+          hi[r] = _mm256_fmadd_ps(xv, wh, hi[r]);
+        }
+      }
+    }
+  } else {
+    for (int64_t i = begin; i < end; ++i) {
+      prefetch.step(i, k);
+      const __m256 wl = load8(panels + i * kPanel), wh = load8(panels + i * kPanel + 8);
+      for (int r = 0; r < R; ++r) {
+        const __m256 xv = _mm256_broadcast_ss(x + r * ldx + i);
+        lo[r] = _mm256_fmadd_ps(xv, wl, lo[r]);
+        hi[r] = _mm256_fmadd_ps(xv, wh, hi[r]);
+      }
     }
   }
 }
@@ -284,22 +332,34 @@ void tile_group(int64_t panels, int64_t rows, const float* x, int64_t ldx, const
   else if (panels == 1) tile_rows<1>(rows, x, ldx, w, panel_stride, k, c, pf, groups);
 }
 
-// count int8 weights as floats, in a buffer of this thread's that lives until its next call.
-inline const float* widen_group(const int8_t* w, int64_t count) {
-  thread_local std::vector<float> buffer;
-  if (int64_t(buffer.size()) < count) buffer.resize(count);
-  for (int64_t i = 0; i < count; ++i) buffer[i] = static_cast<float>(w[i]);
-  return buffer.data();
-}
+// `panels` panels of k int8 or 4-bit weights as float panels, in a buffer of this thread's that
+// lives until its next call.
 template <typename W>
-inline const float* widen_group(const W*, int64_t) { return nullptr; }
+inline const float* widen_group(const W* w, int64_t panels, int64_t k) {
+  static_assert(sizeof(W) == 1, "only int8 and 4-bit panels are widened");
+  thread_local std::vector<float> buffer;
+  const int64_t count = panels * k * kPanel;
+  if (int64_t(buffer.size()) < count) buffer.resize(count);
+  float* out = buffer.data();
+  if constexpr (std::is_same_v<W, int4x2>) {
+    const auto* bytes = reinterpret_cast<const uint8_t*>(w);
+    for (int64_t t = 0; t < panels * k / 2; ++t)  // a byte pair row: inputs 2t and 2t + 1 of 16 columns
+      for (int64_t j = 0; j < kPanel; ++j) {
+        out[2 * t * kPanel + j] = static_cast<float>(bytes[t * kPanel + j] & 15);
+        out[(2 * t + 1) * kPanel + j] = static_cast<float>(bytes[t * kPanel + j] >> 4);
+      }
+  } else {
+    for (int64_t i = 0; i < count; ++i) out[i] = static_cast<float>(w[i]);
+  }
+  return out;
+}
 
 // Columns [16 * first_panel, 16 * end_panel) of rows [m0, m1).
 template <typename W>
 void column_range(const float* x, int64_t ldx, const W* wp, const float* scales, Groups groups, const float* bias,
                   float* y, int64_t ldy, int64_t m0, int64_t m1, int64_t k, int64_t n, int64_t first_panel,
                   int64_t end_panel) {
-  const int64_t panel_stride = k * kPanel;
+  const int64_t panel_stride = panel_elements<W>(k), wide_stride = k * kPanel;
   alignas(64) float c[kTileRows * kTilePanels * kPanel > kFewRows * kWidePanels * kPanel
                           ? kTileRows * kTilePanels * kPanel : kFewRows * kWidePanels * kPanel];
   for (int64_t p = first_panel; p < end_panel;) {
@@ -314,14 +374,14 @@ void column_range(const float* x, int64_t ldx, const W* wp, const float* scales,
     // int8 panels that several row tiles share are widened once (exactly) into a float copy,
     // so each tile runs the float inner loop rather than converting the same weights again
     const float* wide = nullptr;
-    if constexpr (sizeof(W) == 1) {
-      if (tiles > 1) wide = widen_group(w, panels * panel_stride);
+    if constexpr (sizeof(W) == 1) {  // int8 or 4-bit
+      if (tiles > 1) wide = widen_group(w, panels, k);
     }
     for (int64_t m = m0; m < m1; m += kTileRows) {
       const int64_t rows = std::min<int64_t>(kTileRows, m1 - m);
       const Prefetch pf = prefetch_share(next, next_bytes, (m - m0) / kTileRows, tiles);
       const Groups g = groups.at(m, p);
-      if (wide != nullptr) tile_group(panels, rows, x + m * ldx, ldx, wide, panel_stride, k, c, pf, g);
+      if (wide != nullptr) tile_group(panels, rows, x + m * ldx, ldx, wide, wide_stride, k, c, pf, g);
       else tile_group(panels, rows, x + m * ldx, ldx, w, panel_stride, k, c, pf, g);
       const int64_t width = panels * kPanel;
       const int64_t col0 = p * kPanel, cols = std::min<int64_t>(width, n - col0);
@@ -374,12 +434,22 @@ void canonical_linear(const float* x, int64_t ldx, const W* wp, const float* sca
 }  // namespace
 
 // Weight element types of the packed panels.
-enum WeightType { kFloat32 = 0, kBFloat16 = 1, kInt8 = 2 };
+enum WeightType { kFloat32 = 0, kBFloat16 = 1, kInt8 = 2, kInt4 = 3 };
 
 // Packs w[n, k] (elements of WeightType wtype) into 16-column panels: out must hold
-// ceil(n / 16) * 16 * k elements of the same type.
+// ceil(n / 16) * 16 * k elements of the same type. kInt4 takes int8 values 0..15 and packs
+// them into ceil(n / 16) * 16 * k / 2 bytes.
 extern "C" void ladle_pack_panels(const void* w, void* out, int64_t n, int64_t k, int wtype) {
   const int64_t panels = (n + kPanel - 1) / kPanel;
+  if (wtype == kInt4) {  // int8 values 0..15, k even: two inputs to a byte
+    const auto* src = static_cast<const uint8_t*>(w);
+    auto* dst = static_cast<uint8_t*>(out);
+    std::memset(dst, 0, panels * kPanel * (k / 2));
+    for (int64_t col = 0; col < n; ++col)
+      for (int64_t i = 0; i < k; ++i)
+        dst[(col / kPanel) * (k / 2) * kPanel + (i / 2) * kPanel + col % kPanel] |= (src[col * k + i] & 15) << (4 * (i & 1));
+    return;
+  }
   const int64_t size = wtype == kInt8 ? 1 : wtype == kBFloat16 ? 2 : 4;
   auto* dst = static_cast<char*>(out);
   const auto* src = static_cast<const char*>(w);
@@ -402,6 +472,8 @@ extern "C" void ladle_canonical_linear(const float* x, int64_t ldx, const void* 
   if (group_scales) groups = {group_scales, group_mins, nullptr, group_size, k / group_size};
   if (wtype == kInt8)
     canonical_linear(x, ldx, static_cast<const int8_t*>(packed), scales, groups, bias, y, m, k, n, threads);
+  else if (wtype == kInt4)
+    canonical_linear(x, ldx, static_cast<const int4x2*>(packed), scales, groups, bias, y, m, k, n, threads);
   else if (wtype == kBFloat16)
     canonical_linear(x, ldx, static_cast<const uint16_t*>(packed), nullptr, Groups{}, bias, y, m, k, n, threads);
   else canonical_linear(x, ldx, static_cast<const float*>(packed), nullptr, Groups{}, bias, y, m, k, n, threads);

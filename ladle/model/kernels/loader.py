@@ -30,7 +30,8 @@ ISAS = ("avx512", "avx2", "scalar")  # best first
 # Compiler flags per instruction set: the host's own (-march=native) with the higher sets masked off.
 _ISA_FLAGS = {"avx512": [], "avx2": ["-mno-avx512f"], "scalar": ["-mno-avx"]}
 _SOURCES = sorted(Path(__file__).parent.glob("*.cpp"))
-_WEIGHT_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}  # canonical_linear.cpp's WeightType
+# canonical_linear.cpp's WeightType by panel dtype: uint8 panels hold 4-bit weights, two to a byte
+_WEIGHT_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2, torch.uint8: 3}
 _KV_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2, torch.float8_e4m3fn: 3}  # attention.cpp's kv_type
 _lock = threading.Lock()
 _loaded = False
@@ -77,16 +78,21 @@ class NativeKernels:
         lib.ladle_isa.restype = ctypes.c_char_p
         self.isa: str = lib.ladle_isa().decode()
 
-    def pack_panels(self, weight: torch.Tensor) -> torch.Tensor:
+    def pack_panels(self, weight: torch.Tensor, four_bit: bool = False) -> torch.Tensor:
         """weight [out, in] in the canonical kernel's layout: 16-column panels, [ceil(out / 16),
         in, 16], zero-padded; bf16 and int8 stay as they are (widened on the fly), anything
-        else becomes float32 (exactly, for fp16)."""
-        if weight.dtype not in _WEIGHT_TYPES:
+        else becomes float32 (exactly, for fp16). `four_bit`: int8 values 0..15 (in even) packed
+        two to a byte, uint8 [ceil(out / 16), in / 2, 16]."""
+        if four_bit:
+            if weight.dtype != torch.int8 or weight.shape[1] % 2 or weight.min() < 0 or weight.max() > 15:
+                raise ValueError("4-bit panels take int8 values 0..15 over an even number of inputs")
+        elif weight.dtype not in _WEIGHT_TYPES or weight.dtype == torch.uint8:
             weight = weight.float()
         weight = weight.contiguous()
         n, k = weight.shape
-        out = torch.empty(-(-n // 16), k, 16, dtype=weight.dtype)
-        self._pack_panels(weight.data_ptr(), out.data_ptr(), n, k, _WEIGHT_TYPES[weight.dtype])
+        dtype = torch.uint8 if four_bit else weight.dtype
+        out = torch.empty(-(-n // 16), k // 2 if four_bit else k, 16, dtype=dtype)
+        self._pack_panels(weight.data_ptr(), out.data_ptr(), n, k, _WEIGHT_TYPES[dtype])
         return out
 
     @staticmethod
@@ -106,13 +112,15 @@ class NativeKernels:
         int8 panels need `scales` (float32, one per output): the sums are multiplied by them; or,
         grouped, `groups` = (group size, scales, minimums or None), each packed by `pack_groups`:
         each group's chain is folded in as fma(chain, scale, acc), then fma(x's group sum, min, acc)."""
-        if (packed.dtype == torch.int8) != (scales is not None or groups is not None) or (
+        if (packed.dtype in (torch.int8, torch.uint8)) != (scales is not None or groups is not None) or (
                 scales is not None and groups is not None):
-            raise ValueError("int8 panels take scales or groups, and only they do")
+            raise ValueError("int8 and 4-bit panels take scales or groups, and only they do")
         rows, k = x.shape
         size, group_scales, group_mins = groups or (0, None, None)
         if groups is not None and (size <= 0 or k % size or group_scales.shape[1] != k // size):
             raise ValueError(f"groups of {size} do not tile the {k} inputs")
+        if packed.dtype == torch.uint8 and (size % 2 or packed.shape[1] * 2 != k):
+            raise ValueError(f"4-bit panels of {packed.shape[1] * 2} inputs, in groups of {size}, do not take {k}")
         y = torch.empty(rows, out_features, dtype=torch.float32)
         self._canonical_linear(x.data_ptr(), x.stride(0), packed.data_ptr(), _WEIGHT_TYPES[packed.dtype],
                                None if scales is None else scales.data_ptr(),

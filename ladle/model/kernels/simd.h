@@ -10,9 +10,12 @@
 constexpr int64_t kCacheLine = 64;  // bytes: the unit of the kernels' software prefetches
 
 // K/V caches hold float32, bfloat16 (its bits as uint16_t), int8 or fp8 e4m3; kernels widen each
-// on load, exactly. Quantised weights are int8. Scales are applied after the sums.
+// on load, exactly. Quantised weights are int8 or 4-bit. Scales are applied after the sums.
 struct fp8_e4m3 {
   uint8_t bits;  // sign, 4 exponent bits (bias 7), 3 mantissa bits; no infinities
+};
+struct int4x2 {
+  uint8_t bits;  // two 4-bit weights, 0..15: the first in the low nibble
 };
 
 inline float to_float(float x) { return x; }
