@@ -19,6 +19,8 @@ from ladle.model import gguf_blocks
 from ladle.model.quantization import GroupedWeight, Int8Linear
 
 TYPES = [Q.Q8_0, Q.Q4_0, Q.Q4_1]
+# the embedded model: Q4_1 layers, and a tied Q8_0 embedding serving the LM head
+EMBEDDED_WEIGHTS = "4-bit in groups of 32 (GGUF blocks) + int8 in groups of 32 (GGUF blocks)"
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
@@ -110,7 +112,7 @@ def test_the_embedded_model_is_served_from_its_blocks(blocks_and_float) -> None:
     dequantised model, so outputs agree to float rounding, at under a third of the bytes."""
     blocks, floats = blocks_and_float
     info = blocks.engine.runtime_info()
-    assert info["quantization"] == "auto" and info["weights"] == "int8 in groups of 32 (GGUF blocks)"
+    assert info["quantization"] == "auto" and info["weights"] == EMBEDDED_WEIGHTS
     assert floats.engine.runtime_info()["weights"] == "float"
     assert all(isinstance(lin, Int8Linear) and lin.group_size == 32 for lin in blocks.engine.runner.model.linears)
     read = [sum(lin.nbytes for lin in llm.engine.runner.model.linears) for llm in (blocks, floats)]

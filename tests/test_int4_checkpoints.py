@@ -134,7 +134,7 @@ def test_4bit_checkpoint_matches_transformers_on_its_dequantised_weights(tiny_ll
     layers = [lin for layer in llm.engine.runner.model.layers for lin in layer.linears]
     assert all(isinstance(lin, Int8Linear) and lin.quantized and lin.group_size == GROUP for lin in layers)
     method = CASES[case]["method"].upper()
-    assert llm.engine.runtime_info()["weights"] == f"int8 in groups of {GROUP} ({method}) + float"  # + the LM head
+    assert llm.engine.runtime_info()["weights"] == f"4-bit in groups of {GROUP} ({method}) + float"  # + the LM head
     assert all(lin._int8_panels.dtype == torch.uint8 for lin in layers)  # two 4-bit values to a byte:
     # half a byte per weight, and a float32 scale and minimum per 32 (1.25 bytes held as int8)
     assert sum(lin.nbytes for lin in layers) < 0.8 * sum(lin.in_features * lin.out_features for lin in layers)

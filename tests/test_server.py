@@ -34,7 +34,8 @@ def test_models_health_version(server: Server, client: openai.OpenAI) -> None:
     # the suite pins float32 (conftest), so the choice is the one asked for
     assert version["dtype"] == version["kv_cache_dtype"] == "float32" and version["dtype_reason"] == "requested"
     # the default model's Q4_1 layers and tied Q8_0 head served from their blocks
-    assert version["quantization"] == "auto" and version["weights"] == "int8 in groups of 32 (GGUF blocks)"
+    assert version["quantization"] == "auto"
+    assert version["weights"] == "4-bit in groups of 32 (GGUF blocks) + int8 in groups of 32 (GGUF blocks)"
     native = kernels.native_kernels()
     assert version["kernels"] == (native.isa if native is not None else "torch")
     routing = server.engine.engine.runner.model.routing

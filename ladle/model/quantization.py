@@ -94,10 +94,11 @@ def cat_weights(parts: list[torch.Tensor | GroupedWeight], dtype: torch.dtype) -
 
 def describe(linears: list[Linear]) -> str:
     """How a model's linear weights are held, for the start log and /version."""
-    grouped = {(lin.group_size, lin.source) for lin in linears if lin.quantized and lin.group_size}
+    grouped = {(lin.bits, lin.group_size, lin.source) for lin in linears if lin.quantized and lin.group_size}
     per_row = sum(lin.quantized and not lin.group_size for lin in linears)
     floats = sum(not lin.quantized for lin in linears)
-    parts = [f"int8 in groups of {size} ({source})" for size, source in sorted(grouped)]
+    parts = [f"{'4-bit' if bits == 4 else 'int8'} in groups of {size} ({source})"
+             for bits, size, source in sorted(grouped)]
     parts += ["int8 per row"] * bool(per_row) + ["float"] * bool(floats)
     return " + ".join(parts)
 
@@ -129,7 +130,8 @@ class Int8Linear(Linear):
             return
         super().__init__(torch.empty(0, q.shape[1], dtype=dtype), bias)  # no float copy of W
         self.out_features = q.shape[0]
-        self._int8_panels = native.pack_panels(q, four_bit=grouped and weight.four_bit)
+        self.bits = 4 if grouped and weight.four_bit else 8
+        self._int8_panels = native.pack_panels(q, four_bit=self.bits == 4)
         self._groups = None
         if grouped:
             mins = None if weight.mins is None else native.pack_groups(weight.mins)

@@ -141,7 +141,8 @@ inline void chain(const float* x, int64_t ldx, const W* panels, int64_t panel_st
       prefetch.step(i, k);
       prefetch.step(i + 1, k);
       for (int p = 0; p < P; ++p) {
-        const __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(panels + p * panel_stride + i / 2 * kPanel)));
+        const auto* bytes = reinterpret_cast<const __m128i*>(panels + p * panel_stride + i / 2 * kPanel);
+        const __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128(bytes));
         const __m512 even = _mm512_cvtepi32_ps(_mm512_and_si512(d, _mm512_set1_epi32(15)));
         for (int r = 0; r < R; ++r) acc[r][p] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + i]), even, acc[r][p]);
         const __m512 odd = _mm512_cvtepi32_ps(_mm512_srli_epi32(d, 4));
@@ -447,7 +448,7 @@ extern "C" void ladle_pack_panels(const void* w, void* out, int64_t n, int64_t k
     std::memset(dst, 0, panels * kPanel * (k / 2));
     for (int64_t col = 0; col < n; ++col)
       for (int64_t i = 0; i < k; ++i)
-        dst[(col / kPanel) * (k / 2) * kPanel + (i / 2) * kPanel + col % kPanel] |= (src[col * k + i] & 15) << (4 * (i & 1));
+        dst[((col / kPanel) * (k / 2) + i / 2) * kPanel + col % kPanel] |= (src[col * k + i] & 15) << (4 * (i & 1));
     return;
   }
   const int64_t size = wtype == kInt8 ? 1 : wtype == kBFloat16 ? 2 : 4;
