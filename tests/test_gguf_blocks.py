@@ -100,6 +100,8 @@ def test_4bit_panels_hold_the_same_values_as_int8_panels(isa_kernels) -> None:
         isa_kernels.pack_panels(w.q - 1, four_bit=True)
     with pytest.raises(ValueError, match="4-bit panels"):
         isa_kernels.canonical_linear(x, four, 70, b, groups=(5, isa_kernels.pack_groups(torch.rand(70, 64)), None))
+    with pytest.raises(ValueError, match="4-bit panels"):  # the kernel reads 4-bit panels only in groups
+        isa_kernels.canonical_linear(x, four, 70, b, torch.ones(70))
 
 
 @pytest.fixture(scope="module")

@@ -119,8 +119,9 @@ class NativeKernels:
         size, group_scales, group_mins = groups or (0, None, None)
         if groups is not None and (size <= 0 or k % size or group_scales.shape[1] != k // size):
             raise ValueError(f"groups of {size} do not tile the {k} inputs")
-        if packed.dtype == torch.uint8 and (size % 2 or packed.shape[1] * 2 != k):
-            raise ValueError(f"4-bit panels of {packed.shape[1] * 2} inputs, in groups of {size}, do not take {k}")
+        if packed.dtype == torch.uint8 and (groups is None or size % 2 or packed.shape[1] * 2 != k):
+            raise ValueError(f"4-bit panels ({packed.shape[1] * 2} inputs) take groups of an even size and rows of "
+                             f"as many inputs, not groups of {size} and {k}")
         y = torch.empty(rows, out_features, dtype=torch.float32)
         self._canonical_linear(x.data_ptr(), x.stride(0), packed.data_ptr(), _WEIGHT_TYPES[packed.dtype],
                                None if scales is None else scales.data_ptr(),
