@@ -104,6 +104,26 @@ def test_4bit_panels_hold_the_same_values_as_int8_panels(isa_kernels) -> None:
         isa_kernels.canonical_linear(x, four, 70, b, torch.ones(70))
 
 
+@pytest.mark.parametrize("four_bit", [False, True], ids=["int8", "4-bit"])
+def test_fp16_group_parameters_give_the_float32_ones_bits(isa_kernels, four_bit: bool) -> None:
+    """Scales and minimums that are fp16 values (a GGUF's) held as fp16 are widened exactly: the
+    same outputs to the bit as the same values held as float32, in every tile shape."""
+    x, w, b = grouped_operands(320, 70, 32, rows=30, four_bit=four_bit)
+    w.scales, w.mins = w.scales.half().float(), w.mins.half().float()
+    packed = isa_kernels.pack_panels(w.q, four_bit=four_bit)
+    for mins in (w.mins, None):
+        wide = [(32, isa_kernels.pack_groups(w.scales, dtype), None if mins is None else
+                 isa_kernels.pack_groups(mins, dtype)) for dtype in (torch.float32, torch.float16)]
+        assert wide[1][1].dtype == torch.float16
+        for rows in (1, 2, 3, 13, 30):
+            assert torch.equal(isa_kernels.canonical_linear(x[:rows], packed, 70, b, groups=wide[1]),
+                               isa_kernels.canonical_linear(x[:rows], packed, 70, b, groups=wide[0])), rows
+    with pytest.raises(ValueError, match="not all exactly float16"):
+        isa_kernels.pack_groups(torch.tensor([[0.1]]), torch.float16)
+    with pytest.raises(ValueError, match="share a dtype"):
+        isa_kernels.canonical_linear(x, packed, 70, b, groups=(32, wide[1][1], wide[0][1]))
+
+
 @pytest.fixture(scope="module")
 def blocks_and_float(smollm2_dir: Path) -> tuple[LLM, LLM]:
     return LLM(str(smollm2_dir)), LLM(str(smollm2_dir), quantization="none")
@@ -118,7 +138,10 @@ def test_the_embedded_model_is_served_from_its_blocks(blocks_and_float) -> None:
     assert floats.engine.runtime_info()["weights"] == "float"
     assert all(isinstance(lin, Int8Linear) and lin.group_size == 32 for lin in blocks.engine.runner.model.linears)
     read = [sum(lin.nbytes for lin in llm.engine.runner.model.linears) for llm in (blocks, floats)]
-    assert read[0] * 3 < read[1]
+    assert read[0] * 4.5 < read[1]
+    for lin in blocks.engine.runner.model.layers[0].linears:  # Q4_1: half a byte, fp16 scale and min per 32
+        assert lin._groups[1].dtype == torch.float16
+        assert lin.nbytes == pytest.approx(0.625 * lin.in_features * -(-lin.out_features // 16) * 16)
     ids = blocks.tokenizer.encode("The river rose through the night, and by morning the low fields were under water.")
     params = SamplingParams(max_tokens=12, temperature=0, prompt_logprobs=1, logprobs=1)
     a, b = (llm.generate([ids], params)[0] for llm in (blocks, floats))

@@ -7,8 +7,9 @@ Q8_0 / Q4_0 / Q4_1 blocks, repacked exactly by ladle.model.gguf_blocks; GPTQ and
 ladle.model.int4_checkpoints): a scale, and maybe a minimum, per output row and group of inputs,
 each group's sum folded in by its scale. A decode step reads one byte per weight instead of
 four, which is what bounds it, and half a byte where the values fit 4 bits (0..15: the 4-bit
-formats, their offsets kept in the minimums), held two to a byte. Activations, sums and outputs
-stay in float32.
+formats, their offsets kept in the minimums), held two to a byte; group scales and minimums
+are held as fp16 where every one is exactly an fp16 (a GGUF's are), else float32. Activations,
+sums and outputs stay in float32.
 
 The int8 weights live only as the canonical kernel's panels (16 output columns per panel,
 widened to float on the fly). That kernel fixes each output's FMA chain whatever the rows of
@@ -133,9 +134,11 @@ class Int8Linear(Linear):
         self.bits = 4 if grouped and weight.four_bit else 8
         self._int8_panels = native.pack_panels(q, four_bit=self.bits == 4)
         self._groups = None
-        if grouped:
-            mins = None if weight.mins is None else native.pack_groups(weight.mins)
-            self._groups = (weight.size, native.pack_groups(weight.scales), mins)
+        if grouped:  # fp16 scales and minimums where they all are fp16 values (a GGUF's): half the bytes
+            params = [t for t in (weight.scales, weight.mins) if t is not None]
+            dtype = torch.float16 if all(torch.equal(t.half().float(), t) for t in params) else torch.float32
+            mins = None if weight.mins is None else native.pack_groups(weight.mins, dtype)
+            self._groups = (weight.size, native.pack_groups(weight.scales, dtype), mins)
         self._kernels = native  # the library that packed the panels computes with them
 
     def __call__(self, x: torch.Tensor, batch_invariant: bool = False) -> torch.Tensor:
@@ -162,4 +165,5 @@ class Int8Linear(Linear):
         if self._groups is None:
             return self._int8_panels.numel() + self.scales.numel() * 4
         _, scales, mins = self._groups
-        return self._int8_panels.numel() + scales.numel() * 4 + (0 if mins is None else mins.numel() * 4)
+        params = scales.numel() + (0 if mins is None else mins.numel())
+        return self._int8_panels.numel() + params * scales.element_size()

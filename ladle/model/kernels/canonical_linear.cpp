@@ -31,15 +31,16 @@ extern "C" void ladle_pack_panels(const void* w, void* out, int64_t n, int64_t k
 
 // y[m, n] (row stride n) = x[m, k] (row stride ldx) @ W^T (* scales) (+ bias), W packed by
 // ladle_pack_panels; scales (one per output column) only for int8 weights, else nullptr.
-// Grouped int8 weights instead pass group_scales (and optionally group_mins), each
-// [ceil(n / 16), k / group_size, 16], and group_size (which divides k); scales is then null.
+// Grouped int8 and 4-bit weights instead pass group_scales (and optionally group_mins), each
+// [ceil(n / 16), k / group_size, 16], float32 or (half) fp16, and group_size (which divides k);
+// scales is then null. 4-bit weights are always grouped.
 extern "C" void ladle_canonical_linear(const float* x, int64_t ldx, const void* packed, int wtype,
-                                       const float* scales, const float* group_scales, const float* group_mins,
-                                       int64_t group_size, const float* bias, float* y, int64_t m, int64_t k,
-                                       int64_t n, int threads) {
+                                       const float* scales, const void* group_scales, const void* group_mins,
+                                       int half, int64_t group_size, const float* bias, float* y, int64_t m,
+                                       int64_t k, int64_t n, int threads) {
   if (wtype == kInt8 || wtype == kInt4)
-    return canonical_linear_quantized(x, ldx, packed, wtype == kInt4, scales, group_scales, group_mins, group_size,
-                                      bias, y, m, k, n, threads);
+    return canonical_linear_quantized(x, ldx, packed, wtype == kInt4, scales, group_scales, group_mins, half != 0,
+                                      group_size, bias, y, m, k, n, threads);
   if (wtype == kBFloat16)
     canonical_linear(x, ldx, static_cast<const uint16_t*>(packed), nullptr, Groups{}, bias, y, m, k, n, threads);
   else canonical_linear(x, ldx, static_cast<const float*>(packed), nullptr, Groups{}, bias, y, m, k, n, threads);

@@ -73,19 +73,28 @@ inline Prefetch prefetch_share(const void* next, int64_t bytes, int64_t index, i
   return {static_cast<const char*>(next) + first * kCacheLine, std::min(share, lines - first)};
 }
 
-// Per-group scales (and minimums) of grouped int8 weights, in the panels' layout: panel p's
-// group g holds 16 floats at (p * count + g) * 16; xsums[m * count + g] for row m of x.
+// Per-group scales (and minimums) of grouped weights, in the panels' layout: panel p's group g
+// holds 16 values at (p * count + g) * 16, float32 or, where every one is exactly an fp16 (a
+// GGUF's are), fp16 (`half`: widened exactly, so the same numbers in half the bytes);
+// xsums[m * count + g] for row m of x.
 struct Groups {
-  const float* scales = nullptr;  // null: not grouped
-  const float* mins = nullptr;
+  const void* scales = nullptr;  // null: not grouped
+  const void* mins = nullptr;
   const float* xsums = nullptr;
   int64_t size = 0, count = 0;
+  bool half = false;
 
   explicit operator bool() const { return scales != nullptr; }
+  // Value `at` of `params` (scales or mins).
+  float param(const void* params, int64_t at) const {
+    return half ? half_to_float(static_cast<const uint16_t*>(params)[at]) : static_cast<const float*>(params)[at];
+  }
   // The same groups seen from row tile `m`, panel `p` onwards.
   Groups at(int64_t m, int64_t p) const {
     if (!scales) return *this;
-    return {scales + p * count * 16, mins ? mins + p * count * 16 : nullptr, xsums + m * count, size, count};
+    const int64_t skip = p * count * 16 * (half ? 2 : 4);
+    return {static_cast<const char*>(scales) + skip, mins ? static_cast<const char*>(mins) + skip : nullptr,
+            xsums + m * count, size, count, half};
   }
 };
 
@@ -116,8 +125,8 @@ void tile_scalar(const float* x, int64_t ldx, const W* panels, int64_t panel_str
             for (int64_t i = g * groups.size; i < (g + 1) * groups.size; ++i)
               part = std::fma(x[m * ldx + i], weight_at(w, i), part);
             const int64_t at = (p * groups.count + g) * kPanel + j;
-            acc = std::fma(part, groups.scales[at], acc);
-            if (groups.mins) acc = std::fma(groups.xsums[m * groups.count + g], groups.mins[at], acc);
+            acc = std::fma(part, groups.param(groups.scales, at), acc);
+            if (groups.mins) acc = std::fma(groups.xsums[m * groups.count + g], groups.param(groups.mins, at), acc);
           }
         }
         c[m * num_panels * kPanel + p * kPanel + j] = acc;
@@ -173,6 +182,12 @@ inline void zero(__m512 (&acc)[R][P]) {
     for (int p = 0; p < P; ++p) acc[r][p] = _mm512_setzero_ps();
 }
 
+// 16 scales or minimums from `at`, widened exactly if fp16.
+inline __m512 load_params(const Groups& groups, const void* params, int64_t at) {
+  if (groups.half) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(static_cast<const uint16_t*>(params) + at)));
+  return _mm512_loadu_ps(static_cast<const float*>(params) + at);
+}
+
 // Grouped weights: each group's chains in registers, folded into the running sums in c.
 template <int R, int P, typename W>
 void tile_grouped(const float* x, int64_t ldx, const W* panels, int64_t panel_stride, float* c, Prefetch prefetch,
@@ -185,13 +200,13 @@ void tile_grouped(const float* x, int64_t ldx, const W* panels, int64_t panel_st
     chain(x, ldx, panels, panel_stride, g * groups.size, (g + 1) * groups.size, k, prefetch, part);
     for (int p = 0; p < P; ++p) {
       const int64_t at = (p * groups.count + g) * kPanel;
-      const __m512 scale = _mm512_loadu_ps(groups.scales + at);
+      const __m512 scale = load_params(groups, groups.scales, at);
       for (int r = 0; r < R; ++r) {
         float* sums = c + r * P * kPanel + p * kPanel;
         __m512 acc = _mm512_fmadd_ps(part[r][p], scale, _mm512_loadu_ps(sums));
         if (groups.mins)
           acc = _mm512_fmadd_ps(_mm512_set1_ps(groups.xsums[r * groups.count + g]),
-                                _mm512_loadu_ps(groups.mins + at), acc);
+                                load_params(groups, groups.mins, at), acc);
         _mm512_storeu_ps(sums, acc);
       }
     }
@@ -211,7 +226,7 @@ void tile(const float* x, int64_t ldx, const W* panels, int64_t panel_stride, in
       for (int p = 0; p < P; ++p) _mm512_storeu_ps(c + r * P * kPanel + p * kPanel, acc[r][p]);
   }
 }
-#elif defined(__AVX2__) && defined(__FMA__)
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 constexpr int kTileRows = 6;  // 6 rows x 2 ymm (one panel) = 12 accumulators
 constexpr int kTilePanels = 1;
 
@@ -251,6 +266,12 @@ inline void chain(const float* x, int64_t ldx, const W* panels, int64_t begin, i
   }
 }
 
+// 8 scales or minimums from `at`, widened exactly if fp16.
+inline __m256 load_params(const Groups& groups, const void* params, int64_t at) {
+  if (groups.half) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(static_cast<const uint16_t*>(params) + at)));
+  return _mm256_loadu_ps(static_cast<const float*>(params) + at);
+}
+
 template <int R, typename W>
 void tile_grouped(const float* x, int64_t ldx, const W* panels, float* c, Prefetch prefetch, Groups groups) {
   const int64_t k = groups.size * groups.count;
@@ -259,16 +280,16 @@ void tile_grouped(const float* x, int64_t ldx, const W* panels, float* c, Prefet
     __m256 lo[R], hi[R];
     for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
     chain(x, ldx, panels, g * groups.size, (g + 1) * groups.size, k, prefetch, lo, hi);
-    const float* scale = groups.scales + g * kPanel;
-    const float* min = groups.mins ? groups.mins + g * kPanel : nullptr;
+    const int64_t at = g * kPanel;
+    const __m256 scale_lo = load_params(groups, groups.scales, at), scale_hi = load_params(groups, groups.scales, at + 8);
     for (int r = 0; r < R; ++r) {
       float* sums = c + r * kPanel;
-      __m256 a = _mm256_fmadd_ps(lo[r], _mm256_loadu_ps(scale), _mm256_loadu_ps(sums));
-      __m256 b = _mm256_fmadd_ps(hi[r], _mm256_loadu_ps(scale + 8), _mm256_loadu_ps(sums + 8));
-      if (min) {
+      __m256 a = _mm256_fmadd_ps(lo[r], scale_lo, _mm256_loadu_ps(sums));
+      __m256 b = _mm256_fmadd_ps(hi[r], scale_hi, _mm256_loadu_ps(sums + 8));
+      if (groups.mins) {
         const __m256 xs = _mm256_set1_ps(groups.xsums[r * groups.count + g]);
-        a = _mm256_fmadd_ps(xs, _mm256_loadu_ps(min), a);
-        b = _mm256_fmadd_ps(xs, _mm256_loadu_ps(min + 8), b);
+        a = _mm256_fmadd_ps(xs, load_params(groups, groups.mins, at), a);
+        b = _mm256_fmadd_ps(xs, load_params(groups, groups.mins, at + 8), b);
       }
       _mm256_storeu_ps(sums, a);
       _mm256_storeu_ps(sums + 8, b);
@@ -445,5 +466,5 @@ void canonical_linear(const float* x, int64_t ldx, const W* wp, const float* sca
 
 // The int8 and 4-bit instantiations (canonical_linear_quantized.cpp).
 void canonical_linear_quantized(const float* x, int64_t ldx, const void* packed, bool four_bit, const float* scales,
-                                const float* group_scales, const float* group_mins, int64_t group_size,
+                                const void* group_scales, const void* group_mins, bool half, int64_t group_size,
                                 const float* bias, float* y, int64_t m, int64_t k, int64_t n, int threads);

@@ -72,8 +72,8 @@ class NativeKernels:
         self._pack_panels.argtypes = [ptr, ptr, i64, i64, ctypes.c_int]
         self._pack_panels.restype = None
         self._canonical_linear = lib.ladle_canonical_linear
-        self._canonical_linear.argtypes = [ptr, i64, ptr, ctypes.c_int, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64,
-                                           ctypes.c_int]
+        self._canonical_linear.argtypes = [ptr, i64, ptr, ctypes.c_int, ptr, ptr, ptr, ctypes.c_int, i64, ptr, ptr,
+                                           i64, i64, i64, ctypes.c_int]
         self._canonical_linear.restype = None
         lib.ladle_isa.restype = ctypes.c_char_p
         self.isa: str = lib.ladle_isa().decode()
@@ -96,11 +96,16 @@ class NativeKernels:
         return out
 
     @staticmethod
-    def pack_groups(params: torch.Tensor) -> torch.Tensor:
+    def pack_groups(params: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Per-group scales or minimums [out, groups] in the panels' layout: [ceil(out / 16), groups, 16]
-        float32, zero-padded."""
+        in `dtype`, float32 or float16 (for values that are exactly fp16s: the kernel widens them
+        exactly), zero-padded."""
+        if dtype not in (torch.float32, torch.float16):
+            raise ValueError(f"group scales and minimums are float32 or float16, not {dtype}")
+        if dtype == torch.float16 and not torch.equal(params.half().float(), params.float()):
+            raise ValueError("these group parameters are not all exactly float16 values")
         n, groups = params.shape
-        padded = torch.zeros(-(-n // 16) * 16, groups, dtype=torch.float32)
+        padded = torch.zeros(-(-n // 16) * 16, groups, dtype=dtype)
         padded[:n] = params
         return padded.view(-1, 16, groups).transpose(1, 2).contiguous()
 
@@ -119,6 +124,9 @@ class NativeKernels:
         size, group_scales, group_mins = groups or (0, None, None)
         if groups is not None and (size <= 0 or k % size or group_scales.shape[1] != k // size):
             raise ValueError(f"groups of {size} do not tile the {k} inputs")
+        half = group_scales is not None and group_scales.dtype == torch.float16
+        if group_mins is not None and group_mins.dtype != group_scales.dtype:
+            raise ValueError("group scales and minimums must share a dtype")
         if packed.dtype == torch.uint8 and (groups is None or size % 2 or packed.shape[1] * 2 != k):
             raise ValueError(f"4-bit panels ({packed.shape[1] * 2} inputs) take groups of an even size and rows of "
                              f"as many inputs, not groups of {size} and {k}")
@@ -126,7 +134,7 @@ class NativeKernels:
         self._canonical_linear(x.data_ptr(), x.stride(0), packed.data_ptr(), _WEIGHT_TYPES[packed.dtype],
                                None if scales is None else scales.data_ptr(),
                                None if group_scales is None else group_scales.data_ptr(),
-                               None if group_mins is None else group_mins.data_ptr(), size,
+                               None if group_mins is None else group_mins.data_ptr(), int(half), size,
                                None if bias is None else bias.data_ptr(), y.data_ptr(), rows, k, out_features,
                                torch.get_num_threads())
         return y

@@ -32,6 +32,16 @@ inline float to_float(uint16_t h) {
   return f;
 }
 
+// An fp16's value (exact: every fp16 is a float32).
+inline float half_to_float(uint16_t h) {
+  const int exponent = (h >> 10) & 31, mantissa = h & 1023;
+  float magnitude;
+  if (exponent == 0) magnitude = std::ldexp(static_cast<float>(mantissa), -24);  // zero and subnormals
+  else if (exponent == 31) magnitude = mantissa ? NAN : INFINITY;
+  else magnitude = std::ldexp(static_cast<float>(mantissa | 1024), exponent - 25);
+  return h & 0x8000 ? -magnitude : magnitude;
+}
+
 #ifdef __AVX2__
 // The sum of a vector's 8 lanes, in a fixed order.
 inline float hsum(__m256 v) {
