@@ -98,7 +98,7 @@ def load_weights(folder: Path, dtype: torch.dtype | None = None) -> dict[str, to
         weights = read_checkpoint(weights, qc)
     for name in [n for n in weights if n.endswith(".qweight")]:
         base = name.removesuffix(".qweight")
-        weights[f"{base}.weight"] = GroupedWeight(weights.pop(name), weights.pop(f"{base}.qscales").float(),
+        weights[f"{base}.weight"] = GroupedWeight(weights.pop(name), weights.pop(f"{base}.qscales"),
                                                   weights.pop(f"{base}.qmins", None))
     return {name: w.to(dtype or torch.float32) if isinstance(w, torch.Tensor) and w.is_floating_point() else w
             for name, w in weights.items()}

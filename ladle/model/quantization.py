@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from ladle.model import kernels
+from ladle.model.kernels.loader import exactly_fp16
 from ladle.model.layers import Linear
 
 log = logging.getLogger(__name__)
@@ -136,9 +137,9 @@ class Int8Linear(Linear):
         self._groups = None
         if grouped:  # fp16 scales and minimums where they all are fp16 values (a GGUF's): half the bytes
             params = [t for t in (weight.scales, weight.mins) if t is not None]
-            dtype = torch.float16 if all(torch.equal(t.half().float(), t) for t in params) else torch.float32
-            mins = None if weight.mins is None else native.pack_groups(weight.mins, dtype)
-            self._groups = (weight.size, native.pack_groups(weight.scales, dtype), mins)
+            params_dtype = torch.float16 if all(exactly_fp16(t) for t in params) else torch.float32
+            mins = None if weight.mins is None else native.pack_groups(weight.mins, params_dtype)
+            self._groups = (weight.size, native.pack_groups(weight.scales, params_dtype), mins)
         self._kernels = native  # the library that packed the panels computes with them
 
     def __call__(self, x: torch.Tensor, batch_invariant: bool = False) -> torch.Tensor:

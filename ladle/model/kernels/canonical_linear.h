@@ -103,9 +103,13 @@ template <typename W>
 inline float weight_at(const W* w, int64_t i) { return to_float(w[i * kPanel]); }
 inline float weight_at(const int4x2* w, int64_t i) { return float((w[(i / 2) * kPanel].bits >> (4 * (i & 1))) & 15); }
 
+// 4-bit panels: two inputs to a byte, and always grouped.
+template <typename W>
+constexpr bool kFourBit = std::is_same_v<W, int4x2>;
+
 // Elements of W one panel of k inputs takes.
 template <typename W>
-constexpr int64_t panel_elements(int64_t k) { return std::is_same_v<W, int4x2> ? k / 2 * kPanel : k * kPanel; }
+constexpr int64_t panel_elements(int64_t k) { return kFourBit<W> ? k / 2 * kPanel : k * kPanel; }
 
 // The reference order, one element at a time: every vector path must agree with it bit for bit.
 // c holds `panels` panels per row (row stride panels * 16); panel_stride apart in w.
@@ -150,7 +154,7 @@ inline __m512 load_panel(const W* p) {
 template <int R, int P, typename W>
 inline void chain(const float* x, int64_t ldx, const W* panels, int64_t panel_stride, int64_t begin, int64_t end,
                   int64_t k, Prefetch prefetch, __m512 (&acc)[R][P]) {
-  if constexpr (std::is_same_v<W, int4x2>) {  // two inputs per byte: each pair's bytes widened once
+  if constexpr (kFourBit<W>) {  // two inputs per byte: each pair's bytes widened once
     for (int64_t i = begin; i < end; i += 2) {
       prefetch.step(i, k);
       prefetch.step(i + 1, k);
@@ -217,8 +221,10 @@ void tile_grouped(const float* x, int64_t ldx, const W* panels, int64_t panel_st
 template <int R, int P, typename W>
 void tile(const float* x, int64_t ldx, const W* panels, int64_t panel_stride, int64_t k, float* c,
           Prefetch prefetch, Groups groups) {
-  if (groups || std::is_same_v<W, int4x2>) return tile_grouped<R, P>(x, ldx, panels, panel_stride, c, prefetch, groups);
-  if constexpr (!std::is_same_v<W, int4x2>) {  // 4-bit panels always come with groups
+  if constexpr (kFourBit<W>) {
+    tile_grouped<R, P>(x, ldx, panels, panel_stride, c, prefetch, groups);
+  } else {
+    if (groups) return tile_grouped<R, P>(x, ldx, panels, panel_stride, c, prefetch, groups);
     __m512 acc[R][P];
     zero(acc);
     chain(x, ldx, panels, panel_stride, 0, k, k, prefetch, acc);
@@ -234,7 +240,7 @@ constexpr int kTilePanels = 1;
 template <int R, typename W>
 inline void chain(const float* x, int64_t ldx, const W* panels, int64_t begin, int64_t end, int64_t k,
                   Prefetch prefetch, __m256 (&lo)[R], __m256 (&hi)[R]) {
-  if constexpr (std::is_same_v<W, int4x2>) {  // two inputs per byte: each pair's bytes widened once
+  if constexpr (kFourBit<W>) {  // two inputs per byte: each pair's bytes widened once
     const __m256i nibble = _mm256_set1_epi32(15);
     for (int64_t i = begin; i < end; i += 2) {
       prefetch.step(i, k);
@@ -301,8 +307,10 @@ template <int R, int P, typename W>
 void tile(const float* x, int64_t ldx, const W* panels, int64_t, int64_t k, float* c, Prefetch prefetch,
           Groups groups) {
   static_assert(P == 1, "AVX2 tiles are one panel wide");
-  if (groups || std::is_same_v<W, int4x2>) return tile_grouped<R>(x, ldx, panels, c, prefetch, groups);
-  if constexpr (!std::is_same_v<W, int4x2>) {  // 4-bit panels always come with groups
+  if constexpr (kFourBit<W>) {
+    tile_grouped<R>(x, ldx, panels, c, prefetch, groups);
+  } else {
+    if (groups) return tile_grouped<R>(x, ldx, panels, c, prefetch, groups);
     __m256 lo[R], hi[R];
     for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
     chain(x, ldx, panels, 0, k, k, prefetch, lo, hi);
@@ -372,7 +380,7 @@ inline const float* widen_group(const W* w, int64_t panels, int64_t k) {
   const int64_t count = panels * k * kPanel;
   if (int64_t(buffer.size()) < count) buffer.resize(count);
   float* out = buffer.data();
-  if constexpr (std::is_same_v<W, int4x2>) {
+  if constexpr (kFourBit<W>) {
     const auto* bytes = reinterpret_cast<const uint8_t*>(w);
     for (int64_t t = 0; t < panels * k / 2; ++t)  // a byte pair row: inputs 2t and 2t + 1 of 16 columns
       for (int64_t j = 0; j < kPanel; ++j) {

@@ -38,6 +38,11 @@ _loaded = False
 _kernels: NativeKernels | None = None
 
 
+def exactly_fp16(t: torch.Tensor) -> bool:
+    """Whether every value of `t` is an fp16 value (so fp16 holds it exactly)."""
+    return torch.equal(t.half().float(), t.float())
+
+
 class NativeKernels:
     """Typed entry points into the library. Operands are float32 CPU tensors laid out as each
     method says: the caller checks, the kernels trust them (KV cache indices excepted)."""
@@ -102,7 +107,7 @@ class NativeKernels:
         exactly), zero-padded."""
         if dtype not in (torch.float32, torch.float16):
             raise ValueError(f"group scales and minimums are float32 or float16, not {dtype}")
-        if dtype == torch.float16 and not torch.equal(params.half().float(), params.float()):
+        if dtype == torch.float16 and not exactly_fp16(params):
             raise ValueError("these group parameters are not all exactly float16 values")
         n, groups = params.shape
         padded = torch.zeros(-(-n // 16) * 16, groups, dtype=dtype)
