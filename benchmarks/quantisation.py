@@ -14,10 +14,14 @@ int8 or fp8 e4m3 with a scale per token and head, `--kv-cache-dtype`):
   accuracy  perplexity on a fixed ~340-token text and top-1 agreement with the model's first
             row (float32 weights and KV) at every position (teacher-forced)
 
+A model's formats are loaded together and timed in interleaved rounds (each round times every
+format once, on fresh prompts; the best round counts), so a noisy host's drift does not land
+on one row.
+
 4-bit GPTQ and AWQ checkpoints load into the same grouped layers as a GGUF's Q4 blocks (ladle.model.int4_checkpoints).
 
 Usage: python benchmarks/quantisation.py [--models embedded,~/.cache/ladle/bench-models/qwen2-0.5b-shape,x.gguf]
-                                         [--kv float32,int8,fp8]
+                                         [--kv float32,int8,fp8] [--rounds 2]
 """
 
 from __future__ import annotations
@@ -64,9 +68,9 @@ def bytes_per_token(llm: LLM) -> int:
     return sum(lin.nbytes for layer in m.layers for lin in layer.linears) + m.lm_head.nbytes
 
 
-def decode_ms(llm: LLM, prompt_len: int, steps: int = 32) -> float:
+def decode_ms(llm: LLM, prompt_len: int, seed: int, steps: int = 32) -> float:
     engine = llm.engine
-    ids = random_prompt_ids(random.Random(1), prompt_len, vocab_hi=min(40000, engine.model_config.vocab_size))
+    ids = random_prompt_ids(random.Random(seed), prompt_len, vocab_hi=min(40000, engine.model_config.vocab_size))
     engine.add_request("decode", ids, SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True))
     while engine.requests["decode"][0].num_computed_tokens < prompt_len:  # the prefill, in chunks
         engine.step()
@@ -78,9 +82,9 @@ def decode_ms(llm: LLM, prompt_len: int, steps: int = 32) -> float:
     return 1e3 * statistics.median(times)
 
 
-def tokens_per_second(llm: LLM, n: int, prompt_len: int, out_len: int) -> tuple[float, float]:
+def tokens_per_second(llm: LLM, n: int, prompt_len: int, out_len: int, seed: int) -> tuple[float, float]:
     """(output tok/s, prompt tok/s) of n requests at once."""
-    rng = random.Random(0)
+    rng = random.Random(seed)
     vocab = min(40000, llm.engine.model_config.vocab_size)
     prompts = [random_prompt_ids(rng, prompt_len, vocab_hi=vocab) for _ in range(n)]
     t = time.perf_counter()
@@ -99,26 +103,46 @@ def weight_formats(model: str | None) -> list[str]:
     return ["none", "auto"] if model is None or model.endswith(".gguf") else ["none", "int8"]
 
 
-def measure(model: str | None, weights: str, kv: str, bandwidth: float, reference: list | None) -> dict:
+def load(model: str | None, weights: str, kv: str) -> tuple[LLM, dict]:
+    """The engine for one format, and its row's sizes."""
     llm = LLM(model, dtype="float32", quantization=weights, kv_cache_dtype=kv, kv_cache_memory_gib=2.0)
     c = llm.engine.model_config
     kv_token_bytes = KVCache.bytes_per_block(c.num_hidden_layers, 1, c.num_key_value_heads, c.head_dim,
                                              llm.engine.kv_dtype)
-    row = {"weights": WEIGHTS[weights], "kv": kv,
-           "mb": bytes_per_token(llm) / 1e6, "kv_tokens_gib": 2**30 // kv_token_bytes}
+    return llm, {"weights": WEIGHTS[weights], "kv": kv, "mb": bytes_per_token(llm) / 1e6,
+                 "kv_token_bytes": kv_token_bytes, "kv_tokens_gib": 2**30 // kv_token_bytes}
+
+
+def time_round(llm: LLM, row: dict, seed: int) -> None:
+    """One round of timings, each kept if it is the best so far."""
     for context in (256, 2048):
-        row[f"decode_{context}"] = decode_ms(llm, context)
-        row[f"bound_{context}"] = (row["mb"] * 1e6 + context * kv_token_bytes) / (bandwidth * 1e9) * 1e3
-    row["c16"] = tokens_per_second(llm, 16, 256, 64)[0]
-    row["prefill"] = tokens_per_second(llm, 8, 512, 1)[1]
-    lps = text_logprobs(llm)
-    row["ppl"] = math.exp(-sum(lp.logprob for lp in lps) / len(lps))
-    ref = reference or lps
-    row["top1"] = sum(a.top[0][0] == b.top[0][0] for a, b in zip(ref, lps)) / len(lps)
-    row["logprobs"] = lps
-    del llm
+        ms = decode_ms(llm, context, seed)
+        row[f"decode_{context}"] = min(row.get(f"decode_{context}", math.inf), ms)
+    row["c16"] = max(row.get("c16", 0.0), tokens_per_second(llm, 16, 256, 64, seed)[0])
+    row["prefill"] = max(row.get("prefill", 0.0), tokens_per_second(llm, 8, 512, 1, seed)[1])
+
+
+def measure_model(model: str | None, kvs: list[str], bandwidth: float, rounds: int) -> list[dict]:
+    """Every format of one model, timed in interleaved rounds; accuracy against the first row."""
+    formats = [(weights, kv) for weights in weight_formats(model) for kv in kvs]
+    loaded = [load(model, weights, kv) for weights, kv in formats]
+    for seed in range(1, rounds + 1):
+        for (weights, kv), (llm, row) in zip(formats, loaded):
+            print(f"  round {seed}/{rounds}: weights {WEIGHTS[weights]}, KV {kv} ...", flush=True)
+            time_round(llm, row, seed)
+    rows = []
+    for llm, row in loaded:
+        for context in (256, 2048):
+            row[f"bound_{context}"] = (row["mb"] * 1e6 + context * row["kv_token_bytes"]) / (bandwidth * 1e9) * 1e3
+        lps = text_logprobs(llm)
+        row["ppl"] = math.exp(-sum(lp.logprob for lp in lps) / len(lps))
+        ref = rows[0]["logprobs"] if rows else lps
+        row["top1"] = sum(a.top[0][0] == b.top[0][0] for a, b in zip(ref, lps)) / len(lps)
+        row["logprobs"] = lps
+        rows.append(row)
+    del loaded
     gc.collect()
-    return row
+    return rows
 
 
 def main() -> None:
@@ -127,16 +151,14 @@ def main() -> None:
     ap.add_argument("--models", default="embedded" + (f",{home}" if home.is_dir() else ""),
                     help="comma-separated: 'embedded' or HF folders / .gguf files")
     ap.add_argument("--kv", default="float32,int8", help="comma-separated KV cache dtypes")
+    ap.add_argument("--rounds", type=int, default=2, help="interleaved timing rounds (the best counts)")
     args = ap.parse_args()
     bandwidth = read_bandwidth_gbs()
     print(f"{machine()}; read bandwidth {bandwidth:.1f} GB/s; compute float32\n", flush=True)
     for model in args.models.split(","):
         path = None if model == "embedded" else model
-        rows: list[dict] = []
-        for weights in weight_formats(path):
-            for kv in args.kv.split(","):
-                print(f"  {model}: weights {WEIGHTS[weights]}, KV {kv} ...", flush=True)
-                rows.append(measure(path, weights, kv, bandwidth, rows[0]["logprobs"] if rows else None))
+        print(f"  {model}:", flush=True)
+        rows = measure_model(path, args.kv.split(","), bandwidth, args.rounds)
         base = rows[0]
         print(f"\n## {Path(model).name if path else 'SmolLM2-135M-Instruct (embedded)'}\n")
         print("| weights | KV | weight MB per token | KV tokens per GiB | ms/token @256 (% of bound) | "

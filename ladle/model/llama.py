@@ -17,9 +17,9 @@ from ladle.config import QUANTIZATIONS
 from ladle.model import kernels
 from ladle.model.attention import AttentionBackend, AttentionMetadata
 from ladle.model.config import ModelConfig
-from ladle.model.kernels.routing import MatmulRouting, choose_routing
+from ladle.model.kernels.routing import MatmulRouting, choose_routing, forced_routing
 from ladle.model.layers import Linear, RotaryEmbedding, apply_rotary, rms_norm, silu_and_mul
-from ladle.model.quantization import GroupedWeight, cat_weights, make_linear
+from ladle.model.quantization import WIDEN_ROWS, GroupedWeight, cat_weights, make_linear
 
 
 @dataclass
@@ -103,7 +103,9 @@ class LlamaForCausalLM:
             lin.pack()
         layer_linears = [lin for layer in self.layers for lin in layer.linears if not lin.quantized]
         if not layer_linears:
-            self.routing = MatmulRouting("canonical", "canonical", "int8 weights: the int8 canonical kernel, every call")
+            self.routing = forced_routing() or MatmulRouting(
+                "canonical", "torch", f"int8 weights: the canonical kernel, or widened slices on torch above "
+                                      f"{WIDEN_ROWS} rows")
         else:  # int8 layers always take their kernel; the float ones take what measures fastest
             self.routing = choose_routing(kernels.native_kernels(), [lin.weight for lin in layer_linears],
                                           [lin.packed for lin in layer_linears])

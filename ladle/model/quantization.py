@@ -13,9 +13,13 @@ sums and outputs stay in float32.
 
 The int8 weights live only as the canonical kernel's panels (16 output columns per panel,
 widened to float on the fly). That kernel fixes each output's FMA chain whatever the rows of
-the call, so every call takes it, decode steps, prompts and canonical (scoring) rows alike,
-and scoring keeps its bit-identical replay. Without native kernels the layer keeps the
-dequantised float weight and runs as a float Linear (same numbers, no saving).
+the call, so canonical (scoring) rows always take it and scoring keeps its bit-identical
+replay; so do decode steps, which it serves at the bandwidth int8 saves. A prompt's many rows
+reuse each weight often enough that converting it again in every row tile costs more than
+the bytes save: calls of more than WIDEN_ROWS rows (when the model's routing sends prefills
+to torch) widen W back to float a slice at a time, each weight exactly as dequantising the
+checkpoint gives it, and multiply on torch's GEMM (MKL). Without native kernels the layer
+keeps the dequantised float weight and runs as a float Linear (same numbers, no saving).
 
 `quantization` (the engine's flag): `auto` serves weights as the checkpoint holds them (GGUF
 blocks grouped int8, float tensors float), `none` dequantises everything to float, `int8`
@@ -25,6 +29,7 @@ also quantises float tensors per row.
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +39,10 @@ from ladle.model.kernels.loader import exactly_fp16
 from ladle.model.layers import Linear
 
 log = logging.getLogger(__name__)
+
+WIDEN_ROWS = 128  # calls of more rows than this take widened slices on torch (see the module docstring)
+WIDEN_SLICE_BYTES = 8 << 20  # float weights widened at a time: they stay in cache for the GEMM
+_workspace = threading.local()  # each thread's slice buffer, reused from call to call
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -146,10 +155,29 @@ class Int8Linear(Linear):
         if self._int8_panels is None:
             return super().__call__(x, batch_invariant)
         rows = x if x.dim() == 2 and x.stride(1) == 1 else x.reshape(-1, self.in_features).contiguous()
-        y = self._kernels.canonical_linear(rows.float(), self._int8_panels, self.out_features, self._bias32,
-                                           self.scales, self._groups)
+        if not batch_invariant and rows.shape[0] > WIDEN_ROWS and self.routing.prefill == "torch":
+            y = self._widened_matmul(rows.float())
+        else:
+            y = self._kernels.canonical_linear(rows.float(), self._int8_panels, self.out_features, self._bias32,
+                                               self.scales, self._groups)
         y = y.reshape(*x.shape[:-1], self.out_features)
         return y if x.dtype == torch.float32 else y.to(x.dtype)
+
+    def _widened_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ W^T (+ bias) on torch's GEMM, W widened to float one slice of panels at a time."""
+        k, n, all_panels = self.in_features, self.out_features, self._int8_panels.shape[0]
+        per_slice = max(1, WIDEN_SLICE_BYTES // (k * 16 * 4))  # panels
+        buffer = getattr(_workspace, "buffer", None)
+        if buffer is None or buffer.numel() < k * per_slice * 16:
+            buffer = _workspace.buffer = torch.empty(k * per_slice * 16)
+        y = torch.empty(x.shape[0], n)
+        for first in range(0, all_panels, per_slice):
+            panels = min(per_slice, all_panels - first)
+            w = self._kernels.widen_panels(self._int8_panels, k, buffer[:k * panels * 16].view(k, panels * 16),
+                                           first, self.scales, self._groups)
+            begin, end = first * 16, min(n, (first + panels) * 16)
+            torch.mm(x, w[:, :end - begin], out=y[:, begin:end])
+        return y if self._bias32 is None else y.add_(self._bias32)
 
     def pack(self) -> None:
         if self._int8_panels is None:

@@ -410,15 +410,20 @@ void column_range(const float* x, int64_t ldx, const W* wp, const float* scales,
     const W* next = next_p == p ? nullptr : wp + next_p * panel_stride;
     const int64_t next_bytes = next_panels * panel_stride * int64_t(sizeof(W));
     const int64_t tiles = (m1 - m0 + kTileRows - 1) / kTileRows;
-    // int8 panels that several row tiles share are widened once (exactly) into a float copy,
-    // so each tile runs the float inner loop rather than converting the same weights again
+    // int8 panels that three or more row tiles share are widened once (exactly) into a float
+    // copy, so each tile runs the float inner loop rather than converting the same weights
+    // again; for two tiles (a decode batch of 13-24 rows) storing and reloading the copy costs
+    // more than converting twice
     const float* wide = nullptr;
     if constexpr (sizeof(W) == 1) {  // int8 or 4-bit
-      if (tiles > 1) wide = widen_group(w, panels, k);
+      if (tiles > 2) wide = widen_group(w, panels, k);
     }
-    for (int64_t m = m0; m < m1; m += kTileRows) {
-      const int64_t rows = std::min<int64_t>(kTileRows, m1 - m);
-      const Prefetch pf = prefetch_share(next, next_bytes, (m - m0) / kTileRows, tiles);
+    // the rows split evenly over the tiles (13 rows: 7 + 6, not 12 + 1, whose lone row would wait
+    // on its few FMA chains' latency)
+    const int64_t tile_rows = (m1 - m0 + tiles - 1) / tiles;
+    for (int64_t m = m0; m < m1; m += tile_rows) {
+      const int64_t rows = std::min<int64_t>(tile_rows, m1 - m);
+      const Prefetch pf = prefetch_share(next, next_bytes, (m - m0) / tile_rows, tiles);
       const Groups g = groups.at(m, p);
       if (wide != nullptr) tile_group(panels, rows, x + m * ldx, ldx, wide, wide_stride, k, c, pf, g);
       else tile_group(panels, rows, x + m * ldx, ldx, w, panel_stride, k, c, pf, g);

@@ -80,6 +80,10 @@ class NativeKernels:
         self._canonical_linear.argtypes = [ptr, i64, ptr, ctypes.c_int, ptr, ptr, ptr, ctypes.c_int, i64, ptr, ptr,
                                            i64, i64, i64, ctypes.c_int]
         self._canonical_linear.restype = None
+        self._widen_panels = lib.ladle_widen_panels
+        self._widen_panels.argtypes = [ptr, ctypes.c_int, ptr, ptr, ptr, ctypes.c_int, i64, i64, i64, i64, ptr, i64,
+                                       ctypes.c_int]
+        self._widen_panels.restype = None
         lib.ladle_isa.restype = ctypes.c_char_p
         self.isa: str = lib.ladle_isa().decode()
 
@@ -143,6 +147,27 @@ class NativeKernels:
                                None if bias is None else bias.data_ptr(), y.data_ptr(), rows, k, out_features,
                                torch.get_num_threads())
         return y
+
+    def widen_panels(self, packed: torch.Tensor, k: int, out: torch.Tensor, first_panel: int = 0,
+                     scales: torch.Tensor | None = None,
+                     groups: tuple[int, torch.Tensor, torch.Tensor | None] | None = None) -> torch.Tensor:
+        """int8 or 4-bit panels (with `scales` or `groups` as `canonical_linear` takes them) widened
+        to the float32 weights they hold, transposed: out[i, c] = W[16 * first_panel + c, i] for
+        out's columns (a multiple of 16, row stride out.stride(0)), so that x @ out is x @ W^T."""
+        panels = out.shape[1] // 16
+        if (packed.dtype not in (torch.int8, torch.uint8) or out.dtype != torch.float32 or out.shape[0] != k
+                or out.shape[1] % 16 or out.stride(1) != 1 or first_panel + panels > packed.shape[0]):
+            raise ValueError("widen_panels takes int8 or 4-bit panels into float32 [k, 16 * panels]")
+        size, group_scales, group_mins = groups or (0, None, None)
+        if (scales is None) == (groups is None):
+            raise ValueError("int8 and 4-bit panels take scales or groups")
+        self._widen_panels(packed.data_ptr(), _WEIGHT_TYPES[packed.dtype],
+                           None if scales is None else scales.data_ptr(),
+                           None if group_scales is None else group_scales.data_ptr(),
+                           None if group_mins is None else group_mins.data_ptr(),
+                           int(group_scales is not None and group_scales.dtype == torch.float16), size, k,
+                           first_panel, first_panel + panels, out.data_ptr(), out.stride(0), torch.get_num_threads())
+        return out
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x[M, in] @ weight[out, in]^T (+ bias), each weight row read once for all M rows."""
