@@ -472,10 +472,15 @@ extern "C" int ladle_prompt_attention(const float* q, int64_t q_stride, const vo
     work += row_counts[s] * end;
   }
   if (work * heads * d < (1 << 17)) threads = 1;
+  // a sequence part's KV heads go to one thread together, unless there are fewer parts than
+  // threads (a decode step of one sequence): then the heads are shared out
+  const int64_t parts = static_cast<int64_t>(tasks.size()) / kv_heads;
+  const int chunk = parts >= threads ? static_cast<int>(kv_heads) : 1;
+  threads = static_cast<int>(std::min<int64_t>(threads, static_cast<int64_t>(tasks.size()) / chunk));
 #pragma omp parallel num_threads(threads) if (threads > 1)
   {
     PromptScratch scratch;
-#pragma omp for schedule(dynamic, kv_heads)
+#pragma omp for schedule(dynamic, chunk)
     for (size_t i = 0; i < tasks.size(); ++i) {
       const PromptTask& t = tasks[i];
       const int64_t first_pos = first_positions[t.seq] + (t.first_row - row_starts[t.seq]);
