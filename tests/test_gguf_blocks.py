@@ -11,12 +11,16 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
+from gguf import GGML_QUANT_SIZES, GGUFWriter
 from gguf.quants import dequantize, quantize
+from safetensors import safe_open
 from test_canonical_linear import to_float32
 
 from ladle import LLM, SamplingParams
 from ladle.model import gguf_blocks
-from ladle.model.quantization import GroupedWeight, Int8Linear
+from ladle.model.gguf import convert_gguf
+from ladle.model.loader import load_weights
+from ladle.model.quantization import GroupedWeight, Int8Linear, cat_weights
 
 TYPES = [Q.Q8_0, Q.Q4_0, Q.Q4_1]
 # the embedded model: Q4_1 layers, and a tied Q8_0 embedding serving the LM head
@@ -159,3 +163,100 @@ def test_scoring_on_blocks_is_bit_identical_alone_batched_and_cached(blocks_and_
     batched = blocks.generate(prompts, params)[1].outputs[0].label_logprobs
     cached = blocks.generate([prompts[1]], params)[0].outputs[0].label_logprobs
     assert alone == batched == cached
+
+
+# --- the other types of llama.cpp's Q4_K_M files: Q4_K, Q6_K, and Q5_0 / Q5_1 where rows do not
+# split into 256s ---
+
+FACTORS = {Q.Q4_K: (0, 2), Q.Q6_K: (208,), Q.Q5_0: (0,), Q.Q5_1: (0, 2)}  # offsets of the fp16 factors
+
+
+def random_k_blocks(qtype: Q, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """Random blocks (gguf-py quantises no k-quant) whose fp16 factors are small, finite numbers."""
+    inputs, size = GGML_QUANT_SIZES[qtype]
+    factors = FACTORS[qtype]
+    blocks = rng.integers(0, 256, size=(rows * cols // inputs, size), dtype=np.uint8)
+    for at in factors:
+        values = (rng.random(blocks.shape[0]) * 4e-4 + 1e-4).astype(np.float16)
+        blocks[:, at:at + 2] = values.view(np.uint8).reshape(-1, 2)
+    return blocks.reshape(-1)
+
+
+@pytest.mark.parametrize("qtype", list(FACTORS), ids=lambda t: t.name)
+def test_k_quant_and_5_bit_blocks_repack_to_exactly_gguf_pys_weights(qtype: Q) -> None:
+    blocks = random_k_blocks(qtype, 3, 512, np.random.default_rng(1))
+    q, scales, mins = (None if a is None else torch.from_numpy(a) for a in gguf_blocks.unpack(blocks, qtype, 3, 512))
+    grouped = GroupedWeight(q, scales, mins)
+    assert grouped.size == (16 if qtype == Q.Q6_K else 32)
+    assert grouped.four_bit == (qtype == Q.Q4_K)  # Q6_K's values (-32..31) and 5-bit ones are int8
+    assert torch.equal(grouped.dequantize(), torch.from_numpy(np.asarray(dequantize(blocks, qtype)).reshape(3, 512)))
+    with pytest.raises(ValueError, match="does not hold"):
+        gguf_blocks.unpack(blocks, qtype, 6, 256 + 32)
+
+
+def test_groups_of_different_sizes_fuse_in_the_smaller_size() -> None:
+    rng = np.random.default_rng(2)
+    parts = [GroupedWeight(*(None if a is None else torch.from_numpy(a)
+                             for a in gguf_blocks.unpack(random_k_blocks(qtype, 2, 256, rng), qtype, 2, 256)))
+             for qtype in (Q.Q4_K, Q.Q6_K)]
+    fused = cat_weights(parts, torch.float32)
+    assert isinstance(fused, GroupedWeight) and fused.size == 16 and not fused.four_bit
+    assert torch.equal(fused.dequantize(), torch.cat([p.dequantize() for p in parts]))
+
+
+def _write_q4_k_m_gguf(path: Path) -> None:
+    """A tiny random llama whose layers mix types as a Q4_K_M file does (attn_v and ffn_down in Q6_K,
+    the rest Q4_K) and as its fallbacks do (attn_k in Q5_0, ffn_up in Q5_1), the embedding in Q8_0,
+    norms in F32."""
+    from test_loader import _tokenizer_fields
+
+    rng = np.random.default_rng(3)
+    hidden, inter, layers, vocab = 256, 512, 2, 49152
+    w = GGUFWriter(str(path), "llama")
+    w.add_block_count(layers), w.add_context_length(512), w.add_embedding_length(hidden)
+    w.add_feed_forward_length(inter), w.add_head_count(4), w.add_head_count_kv(2), w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_freq_base(10000.0), w.add_rope_dimension_count(64)
+    for key, (value, vtype, sub_type) in _tokenizer_fields().items():
+        w.add_key_value(key, value, vtype, sub_type=sub_type)
+    embed = (rng.standard_normal((vocab, hidden)) * 0.05).astype(np.float32)
+    w.add_tensor("token_embd.weight", quantize(embed, Q.Q8_0), raw_dtype=Q.Q8_0)
+    w.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
+    shapes = {"attn_q": (hidden, hidden), "attn_k": (128, hidden), "attn_v": (128, hidden),
+              "attn_output": (hidden, hidden), "ffn_gate": (inter, hidden), "ffn_up": (inter, hidden),
+              "ffn_down": (hidden, inter)}
+    for i in range(layers):
+        for name, (rows, cols) in shapes.items():
+            qtype = {"attn_v": Q.Q6_K, "ffn_down": Q.Q6_K, "attn_k": Q.Q5_0, "ffn_up": Q.Q5_1}.get(name, Q.Q4_K)
+            blocks = random_k_blocks(qtype, rows, cols, rng).reshape(rows, -1)
+            w.add_tensor(f"blk.{i}.{name}.weight", blocks, raw_dtype=qtype)
+        for norm in ("attn_norm", "ffn_norm"):
+            w.add_tensor(f"blk.{i}.{norm}.weight", np.ones(hidden, np.float32))
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+
+
+def test_a_q4_k_m_model_is_served_from_its_blocks(tmp_path: Path) -> None:
+    """Q4_K layers held as 4-bit groups of 32, Q6_K ones as int8 groups of 16, 5-bit ones as int8
+    groups of 32 (q/k/v fused in groups of 16, gate/up as int8): the very weights gguf-py
+    dequantises to, so the same greedy tokens and prompt log-probabilities to float rounding, on
+    prompts long enough for the widened path too."""
+    path = tmp_path / "tiny-Q4_K_M.gguf"
+    _write_q4_k_m_gguf(path)
+    folder = convert_gguf(path, tmp_path / "converted")
+    grouped = {name: w for name, w in load_weights(folder).items() if isinstance(w, GroupedWeight)}
+    assert len(grouped) == 2 * 7 + 1  # and the tied Q8_0 embedding as the LM head
+    with safe_open(str(folder / "model.safetensors"), framework="pt") as f:  # gguf-py's dequantisation
+        for name, w in grouped.items():
+            float_name = "model.embed_tokens.weight" if name == "lm_head.weight" else name  # tied
+            assert torch.equal(w.dequantize(), f.get_tensor(float_name)), name
+    blocks, floats = LLM(str(path)), LLM(str(path), quantization="none")
+    weights = blocks.engine.runtime_info()["weights"]
+    assert "4-bit in groups of 32" in weights and "int8 in groups of 16" in weights and "float" not in weights
+    assert "int8 in groups of 32" in weights
+    layer = blocks.engine.runner.model.layers[0]
+    assert [(lin.bits, lin.group_size) for lin in layer.linears] == [(8, 16), (4, 32), (8, 32), (8, 16)]
+    for ids in ([1, 400, 3000, 17, 9000, 42], list(range(100, 400))):
+        params = SamplingParams(max_tokens=6, temperature=0, prompt_logprobs=1)
+        a, b = (llm.generate([ids], params)[0] for llm in (blocks, floats))
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        deltas = [abs(x.logprob - y.logprob) for x, y in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:])]
+        assert max(deltas) < 1e-3, max(deltas)

