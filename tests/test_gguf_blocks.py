@@ -171,7 +171,7 @@ def test_scoring_on_blocks_is_bit_identical_alone_batched_and_cached(blocks_and_
 FACTORS = {Q.Q4_K: (0, 2), Q.Q6_K: (208,), Q.Q5_0: (0,), Q.Q5_1: (0, 2)}  # offsets of the fp16 factors
 
 
-def random_k_blocks(qtype: Q, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+def random_blocks(qtype: Q, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
     """Random blocks (gguf-py quantises no k-quant) whose fp16 factors are small, finite numbers."""
     inputs, size = GGML_QUANT_SIZES[qtype]
     factors = FACTORS[qtype]
@@ -184,7 +184,7 @@ def random_k_blocks(qtype: Q, rows: int, cols: int, rng: np.random.Generator) ->
 
 @pytest.mark.parametrize("qtype", list(FACTORS), ids=lambda t: t.name)
 def test_k_quant_and_5_bit_blocks_repack_to_exactly_gguf_pys_weights(qtype: Q) -> None:
-    blocks = random_k_blocks(qtype, 3, 512, np.random.default_rng(1))
+    blocks = random_blocks(qtype, 3, 512, np.random.default_rng(1))
     q, scales, mins = (None if a is None else torch.from_numpy(a) for a in gguf_blocks.unpack(blocks, qtype, 3, 512))
     grouped = GroupedWeight(q, scales, mins)
     assert grouped.size == (16 if qtype == Q.Q6_K else 32)
@@ -197,7 +197,7 @@ def test_k_quant_and_5_bit_blocks_repack_to_exactly_gguf_pys_weights(qtype: Q) -
 def test_groups_of_different_sizes_fuse_in_the_smaller_size() -> None:
     rng = np.random.default_rng(2)
     parts = [GroupedWeight(*(None if a is None else torch.from_numpy(a)
-                             for a in gguf_blocks.unpack(random_k_blocks(qtype, 2, 256, rng), qtype, 2, 256)))
+                             for a in gguf_blocks.unpack(random_blocks(qtype, 2, 256, rng), qtype, 2, 256)))
              for qtype in (Q.Q4_K, Q.Q6_K)]
     fused = cat_weights(parts, torch.float32)
     assert isinstance(fused, GroupedWeight) and fused.size == 16 and not fused.four_bit
@@ -227,7 +227,7 @@ def _write_q4_k_m_gguf(path: Path) -> None:
     for i in range(layers):
         for name, (rows, cols) in shapes.items():
             qtype = {"attn_v": Q.Q6_K, "ffn_down": Q.Q6_K, "attn_k": Q.Q5_0, "ffn_up": Q.Q5_1}.get(name, Q.Q4_K)
-            blocks = random_k_blocks(qtype, rows, cols, rng).reshape(rows, -1)
+            blocks = random_blocks(qtype, rows, cols, rng).reshape(rows, -1)
             w.add_tensor(f"blk.{i}.{name}.weight", blocks, raw_dtype=qtype)
         for norm in ("attn_norm", "ffn_norm"):
             w.add_tensor(f"blk.{i}.{norm}.weight", np.ones(hidden, np.float32))

@@ -90,7 +90,7 @@ def _q5_1(blocks: np.ndarray):
 
 def _q4_k(blocks: np.ndarray):
     d, dmin = _half(blocks[:, :2]), _half(blocks[:, 2:4])
-    packed = blocks[:, 4:16].astype(np.uint8)
+    packed = blocks[:, 4:16]
     low, high = packed[:, :4], packed[:, 4:8]  # sub-blocks 0-3: 6 bits each of sc (low) and m (high)
     top = packed[:, 8:12]  # sub-blocks 4-7: 4 low bits of sc and of m, their top 2 bits in low's and high's
     sc = np.concatenate([low & 63, (top & 0x0F) | ((low >> 6) << 4)], axis=1)
@@ -104,8 +104,9 @@ def _q6_k(blocks: np.ndarray):
     low = blocks[:, :128].reshape(-1, 2, 64)  # per half of 128 inputs
     high = blocks[:, 128:192].reshape(-1, 2, 1, 32)
     sc = blocks[:, 192:208].copy().view(np.int8).astype(np.float32)
-    # a half's inputs 32j + l (j = 0..3): low nibbles of bytes l / 32 + l, then their high nibbles;
-    # the top two bits from bits 2j of high byte l
+    # a half's input 32j + l (j = 0..3, l = 0..31): the low nibble of byte l (j = 0) or l + 32
+    # (j = 1), the high nibble of the same for j = 2, 3; its top two bits are bits 2j, 2j + 1 of
+    # high byte l
     low4 = np.concatenate([low & 0x0F, low >> 4], axis=2)  # [blocks, 2, 128]: j = 0, 1 then 2, 3
     top2 = (high >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 3  # [blocks, 2, 4, 32]
     q = (low4 | (top2.reshape(-1, 2, 128) << 4)).astype(np.int8) - 32

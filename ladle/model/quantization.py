@@ -167,11 +167,12 @@ class Int8Linear(Linear):
         if self._int8_panels is None:
             return super().__call__(x, batch_invariant)
         rows = x if x.dim() == 2 and x.stride(1) == 1 else x.reshape(-1, self.in_features).contiguous()
+        rows = rows.float()
         if not batch_invariant and rows.shape[0] > WIDEN_ROWS and self.routing.prefill == "torch":
-            y = self._widened_matmul(rows.float())
+            y = self._widened_matmul(rows)
         else:
-            y = self._kernels.canonical_linear(rows.float(), self._int8_panels, self.out_features, self._bias32,
-                                               self.scales, self._groups)
+            y = self._kernels.canonical_linear(rows, self._int8_panels, self.out_features, self._bias32, self.scales,
+                                               self._groups)
         y = y.reshape(*x.shape[:-1], self.out_features)
         return y if x.dtype == torch.float32 else y.to(x.dtype)
 

@@ -476,7 +476,7 @@ extern "C" int ladle_prompt_attention(const float* q, int64_t q_stride, const vo
   // threads (a decode step of one sequence): then the heads are shared out
   const int64_t parts = static_cast<int64_t>(tasks.size()) / kv_heads;
   const int chunk = parts >= threads ? static_cast<int>(kv_heads) : 1;
-  threads = static_cast<int>(std::min<int64_t>(threads, static_cast<int64_t>(tasks.size()) / chunk));
+  threads = static_cast<int>(std::clamp<int64_t>(static_cast<int64_t>(tasks.size()) / chunk, 1, threads));
 #pragma omp parallel num_threads(threads) if (threads > 1)
   {
     PromptScratch scratch;

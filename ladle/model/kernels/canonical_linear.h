@@ -30,7 +30,7 @@
 
 #pragma once
 
-#include "simd.h"
+#include "widen.h"
 
 #include <algorithm>
 #include <type_traits>
@@ -47,7 +47,6 @@
 // canonical_linear_quantized.cpp), so the two compile in parallel.
 namespace {
 
-constexpr int64_t kPanel = 16;  // columns per packed panel
 // W is read from memory once per block of rows, so blocks are large: x rows up to this many
 // bytes (they are read from L2/L3 as broadcasts while each W panel group sits in L2).
 constexpr int64_t kRowBlockBytes = 8 << 20;
@@ -380,16 +379,11 @@ inline const float* widen_group(const W* w, int64_t panels, int64_t k) {
   const int64_t count = panels * k * kPanel;
   if (int64_t(buffer.size()) < count) buffer.resize(count);
   float* out = buffer.data();
-  if constexpr (kFourBit<W>) {
-    const auto* bytes = reinterpret_cast<const uint8_t*>(w);
-    for (int64_t t = 0; t < panels * k / 2; ++t)  // a byte pair row: inputs 2t and 2t + 1 of 16 columns
-      for (int64_t j = 0; j < kPanel; ++j) {
-        out[2 * t * kPanel + j] = static_cast<float>(bytes[t * kPanel + j] & 15);
-        out[(2 * t + 1) * kPanel + j] = static_cast<float>(bytes[t * kPanel + j] >> 4);
-      }
-  } else {
-    for (int64_t i = 0; i < count; ++i) out[i] = static_cast<float>(w[i]);
-  }
+  // the panels lie one after another, so they widen as one panel of panels * k inputs
+  static const float ones[kPanel] = {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1}, zeros[kPanel] = {};
+  const auto* bytes = reinterpret_cast<const uint8_t*>(w);
+  widen_rows(reinterpret_cast<const int8_t*>(w), kFourBit<W> ? bytes : nullptr, 0, panels * k, ones, zeros, out,
+             kPanel);
   return out;
 }
 

@@ -8,6 +8,7 @@
 #include <cstring>
 
 constexpr int64_t kCacheLine = 64;  // bytes: the unit of the kernels' software prefetches
+constexpr int64_t kPanel = 16;  // columns per packed panel (the canonical kernel's weight layout)
 
 // K/V caches hold float32, bfloat16 (its bits as uint16_t), int8 or fp8 e4m3; kernels widen each
 // on load, exactly. Quantised weights are int8 or 4-bit. Scales are applied after the sums.
