@@ -295,3 +295,31 @@ def test_rms_norm_bf16_rounds_as_transformers_does(native) -> None:
     assert torch.allclose(y.float(), ref.float(), rtol=2**-7, atol=0)
     assert (y == ref).float().mean() > 0.99
     assert torch.equal(native.rms_norm(x[5:6], w, 1e-5), y[5:6])  # a row alone: the same bits
+
+
+def test_rotary_in_place_is_the_torch_arithmetic_bit_for_bit(isa_kernels) -> None:
+    """The native rotation of float32 heads (rows strided inside a fused qkv row, as the model hands
+    them over) against x * cos + rotate_half(x) * sin in torch ops, on every instruction set."""
+    from ladle.model.layers import RotaryEmbedding
+
+    gen = torch.Generator().manual_seed(11)
+    qkv = torch.randn(37, (6 + 2 + 2) * 64, generator=gen) * 4
+    positions = torch.randint(0, 4000, (37,), generator=gen)
+    cos, sin = RotaryEmbedding(64, 4096, 10000.0, None).tables(positions)
+    x = qkv[:, : 8 * 64].view(37, 8, 64)
+    x1, x2 = x.chunk(2, dim=-1)
+    expect = x * cos + torch.cat((x2, x1), dim=-1) * sin
+    v_before = qkv[:, 8 * 64 :].clone()
+    assert isa_kernels.rotary(x, cos, sin) is x
+    assert torch.equal(x, expect) and torch.equal(qkv[:, 8 * 64 :], v_before)  # v untouched
+    with pytest.raises(ValueError, match="even"):
+        isa_kernels.rotary(torch.randn(2, 1, 7), torch.randn(2, 1, 7), torch.randn(2, 1, 7))
+
+
+def test_add_rms_norm_is_the_residual_add_then_the_norm(isa_kernels) -> None:
+    gen = torch.Generator().manual_seed(12)
+    h, a, w = torch.randn(9, 576, generator=gen), torch.randn(9, 576, generator=gen), torch.randn(576, generator=gen)
+    expect_h = h + a
+    expect = isa_kernels.rms_norm(expect_h, w, 1e-6)
+    y = isa_kernels.add_rms_norm(h, a, w, 1e-6)
+    assert torch.equal(h, expect_h) and torch.equal(y, expect)

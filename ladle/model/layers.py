@@ -112,6 +112,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
+def add_rms_norm(h: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The residual step and the next norm: h += a in place, then RMSNorm(h); the same bits as
+    `h = h + a` and `rms_norm(h, ...)`, in one native pass for float32."""
+    if (h.dtype == a.dtype == weight.dtype == torch.float32 and _native_operand(h) and _native_operand(a)
+            and _native_operand(weight, dim=1) and h.shape == a.shape and weight.shape[0] == h.shape[1]):
+        native = kernels.native_kernels()
+        if native is not None:
+            return native.add_rms_norm(h, a, weight, eps)
+    h.add_(a)
+    return rms_norm(h, weight, eps)
+
+
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up, computed in place in gate_up's first half (rows stay gate_up's stride):
     no new [T, intermediate] tensors, the same bits as the out-of-place ops."""
@@ -167,7 +179,14 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     """x * cos + rotate_half(x) * sin for x [T, heads, D] and `tables`' cos, sin.
 
     The sign of rotate_half lives in the table, so this is transformers' arithmetic bit
-    for bit in three elementwise ops.
+    for bit in three elementwise ops; float32 heads laid out contiguously are rotated in
+    place by the native kernel (the same three roundings) and x returned.
     """
+    if (x.dtype == cos.dtype == sin.dtype == torch.float32 and x.is_cpu and x.dim() == 3 and x.stride(2) == 1
+            and x.stride(1) == x.shape[2] and cos.is_contiguous() and sin.is_contiguous()
+            and cos.shape == sin.shape == (x.shape[0], 1, x.shape[2]) and not x.requires_grad):
+        native = kernels.native_kernels()
+        if native is not None:
+            return native.rotary(x, cos, sin)
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((x2, x1), dim=-1) * sin

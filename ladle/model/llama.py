@@ -18,7 +18,7 @@ from ladle.model import kernels
 from ladle.model.attention import AttentionBackend, AttentionMetadata
 from ladle.model.config import ModelConfig
 from ladle.model.kernels.routing import MatmulRouting, choose_routing, forced_routing
-from ladle.model.layers import Linear, RotaryEmbedding, apply_rotary, rms_norm, silu_and_mul
+from ladle.model.layers import Linear, RotaryEmbedding, add_rms_norm, apply_rotary, rms_norm, silu_and_mul
 from ladle.model.quantization import WIDEN_ROWS, GroupedWeight, cat_weights, make_linear
 
 
@@ -127,13 +127,16 @@ class LlamaForCausalLM:
         last = len(self.layers)
         if keep is not None:
             keep.keep(0, h)
+        eps = self.cfg.rms_norm_eps
+        # h, the residual stream, is updated in place; x is the normed input of what comes next
+        x = rms_norm(h, self.layers[0].input_norm if self.layers else self.norm, eps)
         for i, layer in enumerate(self.layers):
-            h = h + self._attention(i, layer, rms_norm(h, layer.input_norm, self.cfg.rms_norm_eps), rope, meta)
-            x = rms_norm(h, layer.post_attn_norm, self.cfg.rms_norm_eps)
-            h = h + layer.down(silu_and_mul(layer.gate_up(x, inv)), inv)
+            x = add_rms_norm(h, self._attention(i, layer, x, rope, meta), layer.post_attn_norm, eps)
+            following = self.layers[i + 1].input_norm if i + 1 < last else self.norm
+            x = add_rms_norm(h, layer.down(silu_and_mul(layer.gate_up(x, inv)), inv), following, eps)
             if keep is not None and i + 1 < last:
                 keep.keep(i + 1, h)
-        out = rms_norm(h, self.norm, self.cfg.rms_norm_eps)
+        out = x
         if keep is not None:
             keep.keep(last, out)
         return out

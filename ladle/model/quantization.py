@@ -29,13 +29,14 @@ also quantises float tensors per row.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from dataclasses import dataclass
 
 import torch
 
 from ladle.model import kernels
-from ladle.model.kernels.loader import exactly_fp16
+from ladle.model.kernels.loader import DOT_BLOCK, exactly_fp16
 from ladle.model.layers import Linear
 
 log = logging.getLogger(__name__)
@@ -43,6 +44,11 @@ log = logging.getLogger(__name__)
 WIDEN_ROWS = 128  # calls of more rows than this take widened slices on torch (see the module docstring)
 WIDEN_SLICE_BYTES = 8 << 20  # float weights widened at a time: they stay in cache for the GEMM
 _workspace = threading.local()  # each thread's slice buffer, reused from call to call
+
+
+def dot_enabled() -> bool:
+    """LADLE_INT8_DOT=0 keeps per-row int8 weights on the exact FMA-chain kernel (float activations)."""
+    return os.environ.get("LADLE_INT8_DOT", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -154,7 +160,11 @@ class Int8Linear(Linear):
         super().__init__(torch.empty(0, q.shape[1], dtype=dtype), bias)  # no float copy of W
         self.out_features = q.shape[0]
         self.bits = 4 if grouped and weight.four_bit else 8
-        self._int8_panels = native.pack_panels(q, four_bit=self.bits == 4)
+        self._dot = not grouped and q.shape[1] % DOT_BLOCK == 0 and dot_enabled()  # per row: integer dot products
+        if self._dot:
+            self._int8_panels, self.scales = native.pack_dot(q, self.scales)
+        else:
+            self._int8_panels = native.pack_panels(q, four_bit=self.bits == 4)
         self._groups = None
         if grouped:  # fp16 scales and minimums where they all are fp16 values (a GGUF's): half the bytes
             params = [t for t in (weight.scales, weight.mins) if t is not None]
@@ -170,6 +180,8 @@ class Int8Linear(Linear):
         rows = rows.float()
         if not batch_invariant and rows.shape[0] > WIDEN_ROWS and self.routing.prefill == "torch":
             y = self._widened_matmul(rows)
+        elif self._dot:
+            y = self._kernels.int8_dot_linear(rows, self._int8_panels, self.scales, self.out_features, self._bias32)
         else:
             y = self._kernels.canonical_linear(rows, self._int8_panels, self.out_features, self._bias32, self.scales,
                                                self._groups)
@@ -186,8 +198,11 @@ class Int8Linear(Linear):
         y = torch.empty(x.shape[0], n)
         for first in range(0, all_panels, per_slice):
             panels = min(per_slice, all_panels - first)
-            w = self._kernels.widen_panels(self._int8_panels, k, buffer[:k * panels * 16].view(k, panels * 16),
-                                           first, self.scales, self._groups)
+            out = buffer[:k * panels * 16].view(k, panels * 16)
+            if self._dot:
+                w = self._kernels.widen_dot_panels(self._int8_panels, self.scales, out, first)
+            else:
+                w = self._kernels.widen_panels(self._int8_panels, k, out, first, self.scales, self._groups)
             begin, end = first * 16, min(n, (first + panels) * 16)
             torch.mm(x, w[:, :end - begin], out=y[:, begin:end])
         return y if self._bias32 is None else y.add_(self._bias32)

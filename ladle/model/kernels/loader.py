@@ -25,6 +25,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
+DOT_BLOCK = 32  # inputs per activation scale in int8_dot.cpp
 MAX_ROWS = 32  # rows (tokens) up to which Linear takes the kernel: decode batches; prefills stay on MKL
 ISAS = ("avx512", "avx2", "scalar")  # best first
 # Compiler flags per instruction set: the host's own (-march=native) with the higher sets masked off.
@@ -84,6 +85,18 @@ class NativeKernels:
         self._widen_panels.argtypes = [ptr, ctypes.c_int, ptr, ptr, ptr, ctypes.c_int, i64, i64, i64, i64, ptr, i64,
                                        ctypes.c_int]
         self._widen_panels.restype = None
+        self._add_rms_norm = lib.ladle_add_rms_norm
+        self._add_rms_norm.argtypes = [ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float, ctypes.c_int]
+        self._add_rms_norm.restype = None
+        self._rotary = lib.ladle_rotary
+        self._rotary.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, ctypes.c_int]
+        self._rotary.restype = ctypes.c_int
+        self._int8_dot_linear = lib.ladle_int8_dot_linear
+        self._int8_dot_linear.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]
+        self._int8_dot_linear.restype = None
+        self._widen_dot_panels = lib.ladle_widen_dot_panels
+        self._widen_dot_panels.argtypes = [ptr, ptr, i64, i64, i64, ptr, i64, ctypes.c_int]
+        self._widen_dot_panels.restype = None
         lib.ladle_isa.restype = ctypes.c_char_p
         self.isa: str = lib.ladle_isa().decode()
 
@@ -169,6 +182,46 @@ class NativeKernels:
                            first_panel, first_panel + panels, out.data_ptr(), out.stride(0), torch.get_num_threads())
         return out
 
+    @staticmethod
+    def pack_dot(q: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-row int8 weights q [out, in] (-127..127, `in` a multiple of 32) and their scales [out] in
+        int8_dot.cpp's layout: uint8 q + 128 in 16-column panels of four inputs side by side,
+        [ceil(out / 16), in / 4, 16, 4], and the scales zero-padded to as many columns."""
+        n, k = q.shape
+        if q.dtype != torch.int8 or k % DOT_BLOCK or q.min() < -127:
+            raise ValueError(f"int8 dot panels take int8 values -127..127 over a multiple of {DOT_BLOCK} inputs")
+        panels = -(-n // 16)
+        u = torch.full((panels * 16, k), 128, dtype=torch.uint8)
+        u[:n] = (q.to(torch.int16) + 128).to(torch.uint8)
+        padded = torch.zeros(panels * 16, dtype=torch.float32)
+        padded[:n] = scales
+        return u.view(panels, 16, k // 4, 4).transpose(1, 2).contiguous(), padded
+
+    def int8_dot_linear(self, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out_features: int,
+                        bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x[M, in] (float32, rows may be strided) @ W^T (+ bias) for W packed by `pack_dot`, on integer
+        dot products with each row of x quantised to 8 bits per block of 32 inputs (int8_dot.cpp):
+        a row's bits never depend on M or the instruction set."""
+        rows, k = x.shape
+        if packed.dtype != torch.uint8 or packed.dim() != 4 or packed.shape[1] * 4 != k:
+            raise ValueError(f"int8 dot panels of {packed.shape[1] * 4} inputs do not take rows of {k}")
+        y = torch.empty(rows, out_features, dtype=torch.float32)
+        self._int8_dot_linear(x.data_ptr(), x.stride(0), packed.data_ptr(), scales.data_ptr(),
+                              None if bias is None else bias.data_ptr(), y.data_ptr(), rows, k, out_features,
+                              torch.get_num_threads())
+        return y
+
+    def widen_dot_panels(self, packed: torch.Tensor, scales: torch.Tensor, out: torch.Tensor,
+                         first_panel: int = 0) -> torch.Tensor:
+        """`pack_dot`'s panels widened to their float32 weights, transposed, as `widen_panels` does."""
+        panels, k = out.shape[1] // 16, packed.shape[1] * 4
+        if (out.dtype != torch.float32 or out.shape[0] != k or out.shape[1] % 16 or out.stride(1) != 1
+                or first_panel + panels > packed.shape[0]):
+            raise ValueError("widen_dot_panels takes int8 dot panels into float32 [k, 16 * panels]")
+        self._widen_dot_panels(packed.data_ptr(), scales.data_ptr(), k, first_panel, first_panel + panels,
+                               out.data_ptr(), out.stride(0), torch.get_num_threads())
+        return out
+
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x[M, in] @ weight[out, in]^T (+ bias), each weight row read once for all M rows."""
         rows, k = x.shape
@@ -184,6 +237,22 @@ class NativeKernels:
         fn = self._rms_norm_bf16 if x.dtype == torch.bfloat16 else self._rms_norm
         fn(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.shape[0], x.shape[1], eps, torch.get_num_threads())
         return y
+
+    def add_rms_norm(self, h: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """h += a in place, then RMSNorm(h) (returned): float32 [M, N] operands, contiguous."""
+        y = torch.empty_like(h)
+        self._add_rms_norm(h.data_ptr(), a.data_ptr(), weight.data_ptr(), y.data_ptr(), h.shape[0], h.shape[1], eps,
+                           torch.get_num_threads())
+        return y
+
+    def rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [T, heads, D] (float32, heads contiguous, rows may be strided) rotated in place by the
+        [T, D] float32 tables of RotaryEmbedding.tables; returns x."""
+        t, heads, d = x.shape
+        if self._rotary(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), t, heads, d,
+                        torch.get_num_threads()):
+            raise ValueError(f"rotary: head size {d} must be even and at most 1024")
+        return x
 
     def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:

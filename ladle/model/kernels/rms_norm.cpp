@@ -81,3 +81,16 @@ extern "C" void ladle_rms_norm_bf16(const uint16_t* x, const uint16_t* w, uint16
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && m * n >= (1 << 15))
   for (int64_t row = 0; row < m; ++row) rms_norm_row_bf16(x + row * n, w, y + row * n, n, eps);
 }
+
+// The residual stream's step and the next norm in one pass: h += a (one rounded add per element,
+// as torch's), then y = RMSNorm(h) as above. h, a and y are [m, n] float32, contiguous.
+extern "C" void ladle_add_rms_norm(float* h, const float* a, const float* w, float* y, int64_t m, int64_t n,
+                                   float eps, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && m * n >= (1 << 15))
+  for (int64_t row = 0; row < m; ++row) {
+    float* hr = h + row * n;
+    const float* ar = a + row * n;
+    for (int64_t j = 0; j < n; ++j) hr[j] = hr[j] + ar[j];
+    rms_norm_row(hr, w, y + row * n, n, eps);
+  }
+}
