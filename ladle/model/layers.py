@@ -126,7 +126,13 @@ def add_rms_norm(h: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, eps: fl
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up, computed in place in gate_up's first half (rows stay gate_up's stride):
-    no new [T, intermediate] tensors, the same bits as the out-of-place ops."""
+    no new [T, intermediate] tensors. float32 takes the native kernel (its own exp, the same bits
+    for an element whatever its row count), other dtypes torch's ops."""
+    if (gate_up.dtype == torch.float32 and gate_up.is_cpu and gate_up.dim() == 2 and gate_up.stride(1) == 1
+            and gate_up.shape[1] % 2 == 0 and not gate_up.requires_grad):
+        native = kernels.native_kernels()
+        if native is not None:
+            return native.silu_and_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate, inplace=True).mul_(up)
 

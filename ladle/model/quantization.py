@@ -1,5 +1,4 @@
-"""Weight-only int8: linear weights as int8 with float32 scales, computed on by the native
-canonical kernel.
+"""Weight-only int8: linear weights as int8 with float32 scales, computed on by native kernels.
 
 Two forms. Per output row (`--quantization int8` on a float model): quantised at load,
 symmetric, s = max|W_row| / 127, Q = round(W / s), and y = (x Q^T) * s + b. Grouped (a GGUF's
@@ -9,23 +8,29 @@ group of inputs, each group's sum folded in by its scale. A decode step reads on
 weight instead of four, which is what bounds it, and half a byte where the values fit 4 bits
 (0..15: the 4-bit formats, their offsets kept in the minimums), held two to a byte; group
 scales and minimums are held as fp16 where every one is exactly an fp16 (the GGUF types with
-one fp16 factor per block), else float32. Activations, sums and outputs stay in float32.
+one fp16 factor per block), else float32.
 
-The int8 weights live only as the canonical kernel's panels (16 output columns per panel,
-widened to float on the fly). That kernel fixes each output's FMA chain whatever the rows of
-the call, so canonical (scoring) rows always take it and scoring keeps its bit-identical
-replay; so do decode steps, which it serves at the bandwidth int8 saves. A prompt's many rows
-reuse each weight often enough that converting it again in every row tile costs more than
-the bytes save: calls of more than WIDEN_ROWS rows (when the model's routing sends prefills
-to torch) widen W back to float a slice at a time, each weight exactly as dequantising the
-checkpoint gives it, and multiply on torch's GEMM (MKL). Without native kernels the layer
-keeps the dequantised float weight and runs as a float Linear (same numbers, no saving).
+Per-row weights run on integer dot products (kernels/int8_dot.cpp): each row of x is quantised
+to 8 bits per block of 32 inputs on the fly and multiplied with the int8 weights exactly in
+int32 (VNNI, AVX2 or scalar: the same sums), as llama.cpp does for Q8_0, so a decode step costs
+one instruction per 64 weights and runs at memory speed; the 8-bit activations cost a little
+accuracy (the README has the figures). Grouped weights, and per-row ones whose inputs are no
+multiple of 32, run on the canonical kernel: float activations, an exact FMA chain per output
+over weights widened on the fly. Both kernels give a row the same bits whatever else is in the
+call, so canonical (scoring) rows take them too and scoring keeps its bit-identical replay.
+LADLE_INT8_DOT=0 keeps per-row weights on the canonical kernel.
+
+A prompt's many rows reuse each weight often enough that converting it again in every row tile
+costs more than the bytes save: calls of more than WIDEN_ROWS rows (when the model's routing
+sends prefills to torch) widen W back to float a slice at a time, each weight exactly as
+dequantising the checkpoint gives it, and multiply on torch's GEMM (MKL), float activations
+and all. Without native kernels the layer keeps the dequantised float weight and runs as a
+float Linear (same numbers as the widened path, no saving).
 
 `quantization` (the engine's flag): `auto` serves weights as the checkpoint holds them (GGUF
 blocks grouped int8, float tensors float), `none` dequantises everything to float, `int8`
 also quantises float tensors per row.
 """
-
 from __future__ import annotations
 
 import logging
@@ -152,6 +157,7 @@ class Int8Linear(Linear):
         self.group_size = weight.size if grouped else None  # None: a scale per output row
         self.source = weight.source if grouped else "quantised at load"
         native = kernels.native_kernels()
+        self._dot = False
         if native is None:
             float_weight = weight.dequantize(dtype) if grouped else dequantize_int8(q, self.scales).to(dtype)
             super().__init__(float_weight, bias)
@@ -174,6 +180,9 @@ class Int8Linear(Linear):
         self._kernels = native  # the library that packed the panels computes with them
 
     def __call__(self, x: torch.Tensor, batch_invariant: bool = False) -> torch.Tensor:
+        if self._dot and x.dtype == torch.float32 and x.dim() == 2 and x.stride(1) == 1 and (
+                batch_invariant or x.shape[0] <= WIDEN_ROWS or self.routing.prefill != "torch"):  # decode steps
+            return self._kernels.int8_dot_linear(x, self._int8_panels, self.scales, self.out_features, self._bias32)
         if self._int8_panels is None:
             return super().__call__(x, batch_invariant)
         rows = x if x.dim() == 2 and x.stride(1) == 1 else x.reshape(-1, self.in_features).contiguous()

@@ -88,6 +88,9 @@ class NativeKernels:
         self._add_rms_norm = lib.ladle_add_rms_norm
         self._add_rms_norm.argtypes = [ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float, ctypes.c_int]
         self._add_rms_norm.restype = None
+        self._silu_and_mul = lib.ladle_silu_and_mul
+        self._silu_and_mul.argtypes = [ptr, i64, i64, i64, ctypes.c_int]
+        self._silu_and_mul.restype = None
         self._rotary = lib.ladle_rotary
         self._rotary.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, ctypes.c_int]
         self._rotary.restype = ctypes.c_int
@@ -203,9 +206,9 @@ class NativeKernels:
         dot products with each row of x quantised to 8 bits per block of 32 inputs (int8_dot.cpp):
         a row's bits never depend on M or the instruction set."""
         rows, k = x.shape
-        if packed.dtype != torch.uint8 or packed.dim() != 4 or packed.shape[1] * 4 != k:
+        if packed.shape[1] * 4 != k:  # (a decode step's every linear comes here: one check only)
             raise ValueError(f"int8 dot panels of {packed.shape[1] * 4} inputs do not take rows of {k}")
-        y = torch.empty(rows, out_features, dtype=torch.float32)
+        y = torch.empty(rows, out_features)
         self._int8_dot_linear(x.data_ptr(), x.stride(0), packed.data_ptr(), scales.data_ptr(),
                               None if bias is None else bias.data_ptr(), y.data_ptr(), rows, k, out_features,
                               torch.get_num_threads())
@@ -244,6 +247,13 @@ class NativeKernels:
         self._add_rms_norm(h.data_ptr(), a.data_ptr(), weight.data_ptr(), y.data_ptr(), h.shape[0], h.shape[1], eps,
                            torch.get_num_threads())
         return y
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up for float32 gate_up [M, 2 * N] (rows may be strided), in place into the
+        gate half, which is returned (activation.cpp)."""
+        rows, n = gate_up.shape[0], gate_up.shape[1] // 2
+        self._silu_and_mul(gate_up.data_ptr(), gate_up.stride(0), rows, n, torch.get_num_threads())
+        return gate_up[:, :n]
 
     def rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [T, heads, D] (float32, heads contiguous, rows may be strided) rotated in place by the

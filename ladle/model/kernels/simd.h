@@ -68,3 +68,41 @@ inline __m256 load8(const fp8_e4m3* p) {
   return _mm256_mul_ps(_mm256_cvtph_ps(_mm_or_si128(sign, rest)), _mm256_set1_ps(256.0f));
 }
 #endif
+
+// e^x for x <= 0 (softmax after subtracting the max; silu's e^-|x|): Cephes' expf, within 2 ulp.
+// The scalar twin runs the same operations, so a vector body and its scalar tail agree bit for bit.
+inline float exp_nonpositive(float x) {
+  x = x > -87.3f ? x : -87.3f;  // as max_ps: a NaN becomes the bound
+  const float fx = std::floor(std::fma(x, 1.44269504088896341f, 0.5f));
+  x = std::fma(-fx, 0.693359375f, x);
+  x = std::fma(-fx, -2.12194440e-4f, x);
+  float y = 1.9875691500e-4f;
+  y = std::fma(y, x, 1.3981999507e-3f);
+  y = std::fma(y, x, 8.3334519073e-3f);
+  y = std::fma(y, x, 4.1665795894e-2f);
+  y = std::fma(y, x, 1.6666665459e-1f);
+  y = std::fma(y, x, 5.0000001201e-1f);
+  y = std::fma(y, x * x, x + 1.0f);
+  const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(fx) + 127) << 23;
+  float pow2;
+  std::memcpy(&pow2, &bits, sizeof pow2);
+  return y * pow2;
+}
+#ifdef __AVX2__
+inline __m256 exp_nonpositive(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
+  const __m256 fx = _mm256_round_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)),
+                                    _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+  const __m256i pow2 = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(pow2));
+}
+#endif

@@ -1,0 +1,44 @@
+// SwiGLU's activation in place: gate = silu(gate) * up for each row of a fused gate_up
+// projection, where silu(x) = x * sigmoid(x) and sigmoid takes e^-|x| (never overflows):
+//
+//     e = exp(-|x|);  sigmoid = x >= 0 ? 1 / (1 + e) : e / (1 + e);  gate = (x * sigmoid) * up
+//
+// The vector body and the scalar tail run the same operations (simd.h's exp_nonpositive), so
+// an element's bits depend on its value alone: not on its column, its row or the row count.
+
+#include "simd.h"
+
+#include <cmath>
+#include <cstdint>
+
+namespace {
+
+inline float silu_times(float x, float up) {
+  const float e = exp_nonpositive(-std::fabs(x));
+  const float sigmoid = x >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
+  return (x * sigmoid) * up;
+}
+
+void silu_and_mul_row(float* gate, const float* up, int64_t n) {
+  int64_t j = 0;
+#ifdef __AVX2__
+  const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+  for (; j + 8 <= n; j += 8) {
+    const __m256 x = _mm256_loadu_ps(gate + j);
+    const __m256 e = exp_nonpositive(_mm256_or_ps(x, sign));  // -|x|
+    const __m256 denominator = _mm256_add_ps(one, e);
+    const __m256 positive = _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_GE_OQ);
+    const __m256 sigmoid = _mm256_div_ps(_mm256_blendv_ps(e, one, positive), denominator);
+    _mm256_storeu_ps(gate + j, _mm256_mul_ps(_mm256_mul_ps(x, sigmoid), _mm256_loadu_ps(up + j)));
+  }
+#endif
+  for (; j < n; ++j) gate[j] = silu_times(gate[j], up[j]);
+}
+
+}  // namespace
+
+// Rows of gate_up ld floats apart, each [gate (n) | up (n)]; the result replaces gate.
+extern "C" void ladle_silu_and_mul(float* gate_up, int64_t ld, int64_t m, int64_t n, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && m * n >= (1 << 16))
+  for (int64_t row = 0; row < m; ++row) silu_and_mul_row(gate_up + row * ld, gate_up + row * ld + n, n);
+}
