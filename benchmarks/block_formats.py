@@ -1,5 +1,6 @@
-"""Each GGUF block format's batch-1 matmul against float32's, side by side: how the canonical kernel
-reads each layout. 24 layers of one shape (enough weights that they stream from memory, as a
+"""Each weight format's batch-1 matmul against float32's, side by side: int8 per row on the integer
+dot-product kernel (8-bit activations) and on the canonical kernel's float FMA chains
+(LADLE_INT8_DOT=0), and how the canonical kernel reads each GGUF block layout. 24 layers of one shape (enough weights that they stream from memory, as a
 decode step's do), timed in interleaved rounds, the best round kept; per format the bytes it
 holds per weight, the ms per pass, the weight bytes read per second and the speed-up over
 float32. Random values in each format's range, its scales held as ladle holds them (fp16 where
@@ -11,6 +12,7 @@ Usage: python benchmarks/block_formats.py [--out 4864] [--in 1024] [--layers 24]
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -54,6 +56,12 @@ def main() -> None:
     torch.manual_seed(0)
     print(f"{machine()}; {args.layers} layers of [{n}, {k}], batch 1\n", flush=True)
     layers = {"float32": [Linear(torch.randn(n, k) * 0.02) for _ in range(args.layers)]}
+    floats = [lin.weight for lin in layers["float32"]]
+    print("  quantising int8 per row ...", flush=True)
+    layers["int8 per row (dot)"] = [Int8Linear(w) for w in floats]
+    os.environ["LADLE_INT8_DOT"] = "0"  # the same weights on the canonical kernel's FMA chains
+    layers["int8 per row (FMA)"] = [Int8Linear(w) for w in floats]
+    del os.environ["LADLE_INT8_DOT"]
     for name, spec in FORMATS.items():
         print(f"  packing {name} ...", flush=True)
         layers[name] = [Int8Linear(grouped(n, k, *spec)) for _ in range(args.layers)]

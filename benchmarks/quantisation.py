@@ -12,7 +12,8 @@ int8 or fp8 e4m3 with a scale per token and head, `--kv-cache-dtype`):
   c16       output tok/s of 16 requests at once (256-token prompts, 64 out, ignore_eos)
   prefill   prompt tok/s (8 prompts x 512 tokens, one output token)
   accuracy  perplexity on a fixed ~340-token text and top-1 agreement with the model's first
-            row (float32 weights and KV) at every position (teacher-forced)
+            row (float32 weights and KV) at every position (teacher-forced, in chunks of 128
+            tokens: the arithmetic of decode steps and scoring)
 
 A model's formats are loaded together and timed in interleaved rounds (each round times every
 format once, on fresh prompts; the best round counts), so a noisy host's drift does not land
@@ -40,6 +41,7 @@ from common import machine, random_prompt_ids, read_bandwidth_gbs  # noqa: E402
 
 from ladle import LLM, SamplingParams  # noqa: E402
 from ladle.model.attention import KVCache  # noqa: E402
+from ladle.model.quantization import WIDEN_ROWS  # noqa: E402
 
 WEIGHTS = {"none": "float32", "int8": "int8 per row", "auto": "GGUF blocks"}  # --quantization -> row label
 TEXT = "\n\n".join([
@@ -94,8 +96,17 @@ def tokens_per_second(llm: LLM, n: int, prompt_len: int, out_len: int, seed: int
 
 
 def text_logprobs(llm: LLM) -> list:
+    """Teacher-forced log-probabilities of TEXT, fed in chunks of WIDEN_ROWS tokens: the arithmetic
+    decode steps and scoring run (for int8 per row, 8-bit activations), not a long prompt's GEMM
+    on widened float weights."""
     ids = llm.tokenizer.encode(TEXT)
-    return llm.generate([ids], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1))[0].prompt_logprobs[1:]
+    config = llm.engine.scheduler.config
+    budget, config.max_num_batched_tokens = config.max_num_batched_tokens, WIDEN_ROWS
+    try:
+        out = llm.generate([ids], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1))
+    finally:
+        config.max_num_batched_tokens = budget
+    return out[0].prompt_logprobs[1:]
 
 
 def weight_formats(model: str | None) -> list[str]:

@@ -1,5 +1,5 @@
-"""The native kernels (small-row linear, RMSNorm, decode and prompt attention) against torch, and
-the torch fallback without them."""
+"""The native kernels (small-row linear, RMSNorm and its fused residual add, rotary embedding, SwiGLU's
+activation, decode and prompt attention) against torch or float64, and the torch fallback without them."""
 
 from __future__ import annotations
 
