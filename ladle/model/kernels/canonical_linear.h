@@ -38,9 +38,6 @@
 #include <cstdint>
 #include <cstring>
 #include <vector>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 
 // An anonymous namespace on purpose: each source including this header instantiates only the
 // weight types it dispatches (float and bf16 in canonical_linear.cpp, int8 and 4-bit in
@@ -451,19 +448,11 @@ void canonical_linear(const float* x, int64_t ldx, const W* wp, const float* sca
     groups.xsums = xsums.data();
   }
   const int64_t panels = (n + kPanel - 1) / kPanel;
-  const int64_t tiles = (panels + kTilePanels - 1) / kTilePanels;
-  if (m * n * k < (int64_t(1) << 18)) threads = 1;
-  threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, tiles)));
+  threads = matmul_threads(m, n, k, (panels + kTilePanels - 1) / kTilePanels, threads);
   const int64_t row_block = std::max<int64_t>(1, kRowBlockBytes / (k * int64_t(sizeof(float))) / kTileRows) * kTileRows;
 #pragma omp parallel num_threads(threads) if (threads > 1)
   {
-#ifdef _OPENMP
-    const int t = omp_get_thread_num();
-#else
-    const int t = 0;
-#endif
-    const int64_t first = tiles * t / threads * kTilePanels;
-    const int64_t end = std::min(panels, tiles * (t + 1) / threads * kTilePanels);
+    const auto [first, end] = panel_share(panels, kTilePanels, threads);
     for (int64_t m0 = 0; m0 < m; m0 += row_block)
       column_range(x, ldx, wp, scales, groups, bias, y, n, m0, std::min(m, m0 + row_block), k, n, first, end);
   }

@@ -27,9 +27,6 @@
 #include <cmath>
 #include <cstdint>
 #include <vector>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 
 namespace {
 
@@ -225,19 +222,10 @@ extern "C" void ladle_int8_dot_linear(const float* x, int64_t ldx, const uint8_t
                                       const float* bias, float* y, int64_t m, int64_t k, int64_t n, int threads) {
   const QuantisedRows rows = quantise(x, ldx, m, k, threads);
   const int64_t panels = (n + kPanel - 1) / kPanel;
-  if (m * n * k < (int64_t(1) << 18)) threads = 1;
-  threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, panels)));
+  threads = matmul_threads(m, n, k, (panels + kWide - 1) / kWide, threads);
 #pragma omp parallel num_threads(threads) if (threads > 1)
   {
-#ifdef _OPENMP
-    const int t = omp_get_thread_num();
-#else
-    const int t = 0;
-#endif
-    // contiguous shares of whole wide groups, so each thread streams one stretch of W
-    const int64_t groups = (panels + kWide - 1) / kWide;
-    const int64_t first = std::min(panels, groups * t / threads * kWide);
-    const int64_t end = std::min(panels, groups * (t + 1) / threads * kWide);
+    const auto [first, end] = panel_share(panels, kWide, threads);
     panel_range(rows, m, packed, scales, bias, y, n, first, end);
   }
 }

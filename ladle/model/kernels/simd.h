@@ -3,12 +3,36 @@
 
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <utility>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 constexpr int64_t kCacheLine = 64;  // bytes: the unit of the kernels' software prefetches
 constexpr int64_t kPanel = 16;  // columns per packed panel (the canonical kernel's weight layout)
+
+// Threads for an [m, k] x [k, n] matmul shared out in `units` column units: one where a parallel
+// region would cost more than it saves, never more than there are units.
+inline int matmul_threads(int64_t m, int64_t n, int64_t k, int64_t units, int threads) {
+  if (m * n * k < (int64_t(1) << 18)) threads = 1;
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, units)));
+}
+
+// The calling OpenMP thread's contiguous share [first, end) of `panels` panels, in whole units
+// of `width` panels, so each thread streams one stretch of the weights.
+inline std::pair<int64_t, int64_t> panel_share(int64_t panels, int64_t width, int threads) {
+#ifdef _OPENMP
+  const int t = omp_get_thread_num();
+#else
+  const int t = 0;
+#endif
+  const int64_t units = (panels + width - 1) / width;
+  return {std::min(panels, units * t / threads * width), std::min(panels, units * (t + 1) / threads * width)};
+}
 
 // K/V caches hold float32, bfloat16 (its bits as uint16_t), int8 or fp8 e4m3; kernels widen each
 // on load, exactly. Quantised weights are int8 or 4-bit. Scales are applied after the sums.
