@@ -16,6 +16,7 @@ from ladle.config import EngineConfig
 from ladle.engine.async_engine import AsyncEngine
 from ladle.engine.engine import LLMEngine
 from ladle.model.kernels import loader
+from ladle.model.kernels.native import NativeKernels
 from ladle.model.loader import GROUPED_SUFFIXES, default_gguf_path, resolve_model_path
 from ladle.server.app import create_app
 
@@ -67,7 +68,7 @@ def kernels(request, monkeypatch: pytest.MonkeyPatch) -> str:
 
 
 @pytest.fixture(params=loader.supported_isas())
-def isa_kernels(request, monkeypatch: pytest.MonkeyPatch) -> Iterator[loader.NativeKernels]:
+def isa_kernels(request, monkeypatch: pytest.MonkeyPatch) -> Iterator[NativeKernels]:
     """The native kernels built for each instruction set this CPU runs (LADLE_ISA forces each)."""
     if not loader.enabled():
         pytest.skip("LADLE_NATIVE_KERNELS=0 in the environment")

@@ -13,6 +13,7 @@ from test_canonical_linear import to_float32
 
 from ladle import LLM, SamplingParams
 from ladle.model.kernels import loader
+from ladle.model.kernels.native import DOT_BLOCK
 from ladle.model.quantization import WIDEN_ROWS, Int8Linear, dequantize_int8, quantize_int8
 
 TEXT = ("The river rose through the night, and by morning the low fields were under water. Farmers moved "
@@ -47,7 +48,7 @@ DOT_SHAPES = [(32, 5), (64, 40), (576, 960), (1536, 576), (896, 1001)]  # (in, o
 def quantised_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel's activations, by its definition: per block of 32 inputs, xq = x * (127 / a) in
     float32 rounded to nearest even (a = max |x| over the block) and the scale a / 127."""
-    blocks = x.view(x.shape[0], -1, loader.DOT_BLOCK)
+    blocks = x.view(x.shape[0], -1, DOT_BLOCK)
     a = blocks.abs().amax(dim=-1, keepdim=True)
     xq = torch.where(a > 0, torch.round(blocks * (127.0 / a)), torch.zeros_like(blocks))
     return xq.view_as(x), (a / 127.0).squeeze(-1)
@@ -66,14 +67,14 @@ def test_int8_dot_kernel_is_within_its_activation_rounding_of_float64(isa_kernel
     wf = dequantize_int8(q, scales).double()
     ref = x.double() @ wf.T + b.double()
     _, sx = quantised_rows(x)
-    step = sx.double().repeat_interleave(loader.DOT_BLOCK, dim=1)  # [rows, k]: each input's step
+    step = sx.double().repeat_interleave(DOT_BLOCK, dim=1)  # [rows, k]: each input's step
     bound = 0.5 * step @ wf.abs().T + 1e-6 * (x.double().abs() @ wf.abs().T + b.double().abs())
     assert ((y.double() - ref).abs() <= bound).all()
     assert ((y.double() - ref).abs().max() / ref.abs().max()).item() < 1e-2
     for rows in (1, 2, 3, 5, 12, 13, 25, 40):
         assert torch.equal(isa_kernels.int8_dot_linear(x[:rows], packed, padded, n, b), y[:rows]), rows
     with pytest.raises(ValueError, match="do not take rows"):
-        isa_kernels.int8_dot_linear(x[:, :-loader.DOT_BLOCK].contiguous(), packed, padded, n, b)
+        isa_kernels.int8_dot_linear(x[:, :-DOT_BLOCK].contiguous(), packed, padded, n, b)
 
 
 def test_int8_dot_kernel_is_its_integer_sums_folded_in_by_block(isa_kernels) -> None:

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from ladle.model import kernels
-from ladle.model.kernels.loader import DOT_BLOCK, exactly_fp16
+from ladle.model.kernels.native import DOT_BLOCK, exactly_fp16
 from ladle.model.layers import Linear
 
 log = logging.getLogger(__name__)
@@ -180,22 +180,22 @@ class Int8Linear(Linear):
         self._kernels = native  # the library that packed the panels computes with them
 
     def __call__(self, x: torch.Tensor, batch_invariant: bool = False) -> torch.Tensor:
-        if self._dot and x.dtype == torch.float32 and x.dim() == 2 and x.stride(1) == 1 and (
-                batch_invariant or x.shape[0] <= WIDEN_ROWS or self.routing.prefill != "torch"):  # decode steps
-            return self._kernels.int8_dot_linear(x, self._int8_panels, self.scales, self.out_features, self._bias32)
         if self._int8_panels is None:
             return super().__call__(x, batch_invariant)
+        if x.dtype == torch.float32 and x.dim() == 2 and x.stride(1) == 1:  # the model's rows: as they are
+            return self._matmul(x, batch_invariant)
         rows = x if x.dim() == 2 and x.stride(1) == 1 else x.reshape(-1, self.in_features).contiguous()
-        rows = rows.float()
-        if not batch_invariant and rows.shape[0] > WIDEN_ROWS and self.routing.prefill == "torch":
-            y = self._widened_matmul(rows)
-        elif self._dot:
-            y = self._kernels.int8_dot_linear(rows, self._int8_panels, self.scales, self.out_features, self._bias32)
-        else:
-            y = self._kernels.canonical_linear(rows, self._int8_panels, self.out_features, self._bias32, self.scales,
-                                               self._groups)
-        y = y.reshape(*x.shape[:-1], self.out_features)
+        y = self._matmul(rows.float(), batch_invariant).reshape(*x.shape[:-1], self.out_features)
         return y if x.dtype == torch.float32 else y.to(x.dtype)
+
+    def _matmul(self, rows: torch.Tensor, batch_invariant: bool) -> torch.Tensor:
+        """float32 rows [M, in] (rows may be strided) through the kernel this call's size takes."""
+        if not batch_invariant and rows.shape[0] > WIDEN_ROWS and self.routing.prefill == "torch":
+            return self._widened_matmul(rows)
+        if self._dot:
+            return self._kernels.int8_dot_linear(rows, self._int8_panels, self.scales, self.out_features, self._bias32)
+        return self._kernels.canonical_linear(rows, self._int8_panels, self.out_features, self._bias32, self.scales,
+                                              self._groups)
 
     def _widened_matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x @ W^T (+ bias) on torch's GEMM, W widened to float one slice of panels at a time."""

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ladle.model.kernels.loader import MAX_ROWS, NativeKernels
+from ladle.model.kernels.loader import MAX_ROWS
+from ladle.model.kernels.native import NativeKernels
 
 logger = logging.getLogger(__name__)
 
