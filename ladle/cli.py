@@ -15,6 +15,7 @@ SUBCOMMANDS = {
     "bench": ("ladle.bench.cli", "load-test any OpenAI-compatible server"),
     "calibrate": ("ladle.calibrate.cli", "fit a calibration of decision probabilities on labelled data"),
     "heads": ("ladle.heads.cli", "fit a learned decision head on the model's hidden states"),
+    "chat": ("ladle.chat", "chat in the terminal with a model in this process or at an OpenAI-compatible URL"),
 }
 
 

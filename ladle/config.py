@@ -13,7 +13,9 @@ KV_8BIT_NAMES = ("int8", "fp8", "fp8_e4m3")  # ladle.model.kv_quant's formats (n
 
 @dataclass
 class EngineConfig:
-    model: str | None = None  # HF folder or .gguf file; None: the embedded SmolLM2-135M-Instruct
+    model: str | None = None  # HF folder, .gguf file, hub id ORG/NAME[:QUANT]; None: the embedded SmolLM2
+    revision: str | None = None  # of a hub id: branch, tag or commit (None: the default branch)
+    download_dir: str | None = None  # hub cache for a hub id (None: huggingface_hub's, HF_HUB_CACHE or HF_HOME/hub)
     served_model_name: str | None = None
     max_model_len: int | None = None  # None: the model's context, capped by the KV pool
     max_num_seqs: int = 32
@@ -56,7 +58,13 @@ def add_engine_arguments(parser) -> None:
     """Engine flags, with vLLM's names where vLLM has them."""
     g = parser.add_argument_group("engine")
     g.add_argument("model", nargs="?", default=None,
-                   help="HF model folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
+                   help="HF model folder, .gguf file, or Hugging Face Hub id ORG/NAME (ORG/NAME:QUANT for one "
+                        "GGUF file of a repo), from the hub cache or downloaded (default: the embedded "
+                        "SmolLM2-135M-Instruct)")
+    g.add_argument("--revision", default=None, help="of a hub id: branch, tag or commit (default: main)")
+    g.add_argument("--download-dir", default=None,
+                   help="hub cache to look in and download to (default: huggingface_hub's, $HF_HUB_CACHE "
+                        "or $HF_HOME/hub)")
     g.add_argument("--served-model-name", default=None)
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs)
@@ -94,7 +102,8 @@ def add_engine_arguments(parser) -> None:
 
 def engine_config_from_args(args) -> EngineConfig:
     return EngineConfig(
-        model=args.model, served_model_name=args.served_model_name, max_model_len=args.max_model_len,
+        model=args.model, revision=args.revision, download_dir=args.download_dir,
+        served_model_name=args.served_model_name, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         long_prefill_token_threshold=args.long_prefill_token_threshold, block_size=args.block_size,
         kv_cache_memory_gib=args.kv_cache_memory_gib, num_kv_blocks=args.num_kv_blocks,

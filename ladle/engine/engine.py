@@ -49,7 +49,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
         claim_compute(config.num_threads)  # the offline LLM computes on this thread
-        folder = resolve_model_path(config.model)
+        folder = resolve_model_path(config.model, config.revision, config.download_dir)
         self.model_path = folder
         self.model_config = ModelConfig.from_folder(folder)
         self.tokenizer = Tokenizer.from_folder(folder)

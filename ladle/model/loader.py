@@ -44,12 +44,20 @@ def gguf_cache_path(gguf_path: Path) -> Path:
     return cache_dir() / f"{gguf_path.stem}-{st.st_size}-{st.st_mtime_ns}-v{CONVERTER_VERSION}"
 
 
-def resolve_model_path(model: str | Path | None) -> Path:
-    """A HF-style model folder for `model`: None (the default), a .gguf file or a folder with config.json.
+def resolve_model_path(model: str | Path | None, revision: str | None = None,
+                       download_dir: str | None = None) -> Path:
+    """A HF-style model folder for `model`: None (the default), a .gguf file, a folder with config.json,
+    or a Hugging Face Hub id (`ORG/NAME`, `ORG/NAME:QUANT` for one GGUF of a repo; a path that exists wins),
+    found in the hub cache or downloaded (at `revision`, into `download_dir`; see ladle.model.hub).
 
     GGUF files are converted on first use into the cache (LADLE_CACHE_DIR, default ~/.cache/ladle/models).
     """
     path = default_gguf_path() if model is None else Path(model).expanduser()
+    if model is not None and not path.exists():
+        from ladle.model.hub import hub_model_path, parse_hub_id
+
+        if parse_hub_id(str(model)) is not None:
+            path = hub_model_path(str(model), revision, download_dir)
     if path.is_dir():
         if (path / "config.json").is_file():
             return path

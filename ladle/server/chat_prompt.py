@@ -6,6 +6,7 @@ ladle.tools.prompt's fallback convention (the one the `hermes` parser reads).
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import jinja2
@@ -44,6 +45,16 @@ def chat_prompt(tokenizer: Tokenizer, messages: list[ChatMessage], add_generatio
     if continue_final_message:
         text = _cut_after_final_message(text, rendered_messages[-1])
     return text
+
+
+def load_chat_template(value: str) -> str:
+    """--chat-template as vLLM takes it: a file holding the template, or the template itself."""
+    if any(mark in value for mark in ("{{", "{%")):
+        return value
+    path = Path(value).expanduser()
+    if not path.is_file():
+        raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template")
+    return path.read_text(encoding="utf-8")
 
 
 def _message_dict(i: int, m: ChatMessage) -> dict[str, Any]:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import json
+import logging
 import os
 import sys
 
@@ -21,6 +23,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $LADLE_API_KEY, else none)")
     g.add_argument("--max-request-body-bytes", type=int, default=None, help="larger bodies get 413 (default 16 MiB)")
     g.add_argument("--uvicorn-log-level", choices=LOG_LEVELS, default="info")
+    g.add_argument("--root-path", default="", help="the path prefix a proxy serves ladle under (FastAPI root_path)")
+    g.add_argument("--allowed-origins", type=json_list, default=None, metavar="JSON",
+                   help='origins browsers may call from (CORS), e.g. \'["http://localhost:3000"]\' or \'["*"]\' '
+                        "(default: none; vLLM's default is any)")
+    g.add_argument("--allowed-methods", type=json_list, default=["*"], metavar="JSON",
+                   help="methods cross-origin requests may use (default: any)")
+    g.add_argument("--allowed-headers", type=json_list, default=["*"], metavar="JSON",
+                   help="headers cross-origin requests may send (default: any)")
+    g.add_argument("--allow-credentials", action="store_true", help="let cross-origin requests carry credentials")
+    g.add_argument("--enable-log-requests", action="store_true",
+                   help="log one line per request: id, route, status, token counts, latency (never the content)")
+    g.add_argument("--disable-log-requests", dest="enable_log_requests", action="store_false",
+                   help="do not log requests (the default; vLLM's older flag)")
+    g.add_argument("--max-stored-responses", type=int, default=None,
+                   help="/v1/responses kept for previous_response_id, least recently used dropped (default 1000)")
+    c = parser.add_argument_group("chat and logprobs")
+    c.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
+                   help="a Jinja chat template (a file, or the template itself) replacing the model's")
+    c.add_argument("--max-logprobs", type=int, default=None,
+                   help="the most top logprobs a request may ask for (default and most: 20)")
     t = parser.add_argument_group("tool calling")
     t.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='serve tool_choice "auto" (the default when a request has tools): parse calls out of replies')
@@ -33,6 +55,43 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     d.add_argument("--decision-head", action="append", default=[], metavar="NAME=PATH",
                    help="a head from `ladle heads fit` (HEAD.safetensors beside HEAD.json), for questions "
                         "naming it (repeatable)")
+
+
+def json_list(value: str) -> list[str]:
+    """A flag holding a JSON list of strings, as vLLM's --allowed-origins takes it."""
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError:
+        parsed = None
+    if not (isinstance(parsed, list) and all(isinstance(x, str) for x in parsed)):
+        raise argparse.ArgumentTypeError(f"expected a JSON list of strings, e.g. '[\"*\"]', not {value!r}")
+    return parsed
+
+
+def app_options(args: argparse.Namespace) -> dict:
+    """create_app's keyword arguments for the server flags (reads --chat-template's file)."""
+    from ladle.model.tokenizer import compile_chat_template
+    from ladle.server.app import DEFAULT_MAX_BODY_BYTES
+    from ladle.server.chat_prompt import load_chat_template
+    from ladle.server.protocol import MAX_LOGPROBS
+    from ladle.server.response_store import DEFAULT_MAX_STORED_RESPONSES
+
+    template = load_chat_template(args.chat_template) if args.chat_template is not None else None
+    if template is not None:
+        try:
+            compile_chat_template(template)
+        except Exception as e:  # jinja2's syntax errors: say so at start, not on the first request
+            raise ValueError(f"--chat-template does not compile: {e}") from None
+    max_logprobs = MAX_LOGPROBS if args.max_logprobs is None else args.max_logprobs
+    if not 0 <= max_logprobs <= MAX_LOGPROBS:
+        raise ValueError(f"--max-logprobs must be in [0, {MAX_LOGPROBS}] (the engine returns at most {MAX_LOGPROBS})")
+    return dict(api_key=args.api_key, max_body_bytes=args.max_request_body_bytes or DEFAULT_MAX_BODY_BYTES,
+                tool_call_parser=auto_tool_call_parser(args), chat_template=template, max_logprobs=max_logprobs,
+                allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
+                allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials,
+                root_path=args.root_path, log_requests=args.enable_log_requests,
+                max_stored_responses=DEFAULT_MAX_STORED_RESPONSES if args.max_stored_responses is None
+                else args.max_stored_responses)
 
 
 def auto_tool_call_parser(args: argparse.Namespace) -> str | None:
@@ -48,11 +107,11 @@ def run(args: argparse.Namespace) -> int:
     from ladle.decisions.extensions import Extensions
     from ladle.engine.async_engine import AsyncEngine
     from ladle.engine.engine import LLMEngine
-    from ladle.server.app import DEFAULT_MAX_BODY_BYTES, create_app
+    from ladle.server.app import create_app
     from ladle.server.context import served_model_name
 
     try:
-        tool_call_parser = auto_tool_call_parser(args)
+        options = app_options(args)
         config = engine_config_from_args(args)
         name = served_model_name(config)
         extensions = Extensions.load(name, args.decision_calibration, args.decision_head)
@@ -60,9 +119,9 @@ def run(args: argparse.Namespace) -> int:
     except (FileNotFoundError, KeyError, ValueError) as e:  # a bad model path, flag or file: say so, no traceback
         print(f"ladle serve: {e}", file=sys.stderr)
         return 2
-    app = create_app(engine, name, api_key=args.api_key, decision_extensions=extensions,
-                     max_body_bytes=args.max_request_body_bytes or DEFAULT_MAX_BODY_BYTES,
-                     tool_call_parser=tool_call_parser)
+    app = create_app(engine, name, decision_extensions=extensions, **options)
+    if args.enable_log_requests:
+        _log_requests_to_stderr()
     host = f"[{args.host}]" if ":" in args.host else args.host
     info, cache = engine.runtime_info, engine.cache_config_info
     print(f"ladle: serving {name} (max_model_len {engine.max_model_len}) at http://{host}:{args.port}/v1\n"
@@ -75,3 +134,11 @@ def run(args: argparse.Namespace) -> int:
     finally:
         engine.shutdown()
     return 0
+
+
+def _log_requests_to_stderr() -> None:
+    log = logging.getLogger("ladle.requests")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s ladle: %(message)s"))
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)

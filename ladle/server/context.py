@@ -11,9 +11,13 @@ from fastapi import Request
 from ladle.config import EngineConfig
 from ladle.decisions.extensions import Extensions
 from ladle.engine.async_engine import AsyncEngine
+from ladle.model.hub import parse_hub_id
+from ladle.model.tokenizer import Tokenizer
 from ladle.server.errors import APIError
 from ladle.server.logprobs import TokenNames
 from ladle.server.metrics import Metrics
+from ladle.server.protocol import MAX_LOGPROBS
+from ladle.server.response_store import DEFAULT_MAX_STORED_RESPONSES, ResponseStore
 
 DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
 
@@ -25,13 +29,28 @@ class ServerContext:
     model_root: str | None = None
     decision_extensions: Extensions | None = None  # calibrations and heads questions may name
     tool_call_parser: str | None = None  # tool_choice "auto" parses replies with it; None: "auto" refused
+    chat_template: str | None = None  # --chat-template: replaces the tokenizer's for chat requests
+    max_logprobs: int = MAX_LOGPROBS  # --max-logprobs: the most top logprobs a request may ask for
+    max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES
     created: int = field(default_factory=lambda: int(time.time()))
     names: TokenNames = field(init=False)
     metrics: Metrics = field(init=False)
+    chat_tokenizer: Tokenizer = field(init=False)  # the tokenizer chat prompts are rendered with
+    responses: ResponseStore = field(init=False)  # /v1/responses kept for previous_response_id
 
     def __post_init__(self) -> None:
+        if not 0 <= self.max_logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"max_logprobs must be in [0, {MAX_LOGPROBS}] (the engine returns at most {MAX_LOGPROBS})")
         self.names = TokenNames(self.engine.tokenizer)
         self.metrics = Metrics(self.engine, self.model_name)
+        tok = self.engine.tokenizer
+        self.chat_tokenizer = tok if self.chat_template is None else with_chat_template(tok, self.chat_template)
+        self.responses = ResponseStore(self.max_stored_responses)
+
+    def check_logprobs(self, requested: int | None, param: str) -> None:
+        if requested is not None and requested > self.max_logprobs:
+            raise APIError(400, f"{param} is {requested}, more than this server returns ({self.max_logprobs}: "
+                           "its --max-logprobs)", param=param)
 
     def check_model(self, model: str | None) -> None:
         """Requests may omit the model (as vLLM allows) or must name the one served.
@@ -45,11 +64,20 @@ def get_context(request: Request) -> ServerContext:
     return request.app.state.ctx
 
 
+def with_chat_template(tokenizer: Tokenizer, template: str) -> Tokenizer:
+    """The same tokenizer rendering chats with another template (a bad template raises jinja2.TemplateError)."""
+    config = {"add_bos_token": tokenizer.add_bos_token, **tokenizer.special_tokens}
+    return Tokenizer(tokenizer.backend, config, template, sorted(tokenizer.eos_token_ids))
+
+
 def served_model_name(config: EngineConfig) -> str:
-    """--served-model-name, else the model's folder or file name, else the embedded model's name."""
+    """--served-model-name, else the model's folder or file name, or its hub id as given (vLLM's
+    habit: `ladle serve org/name` serves "org/name"), else the embedded model's name."""
     if config.served_model_name:
         return config.served_model_name
     if config.model is None:
         return DEFAULT_SERVED_NAME
     path = Path(config.model)
+    if not path.exists() and parse_hub_id(config.model) is not None:
+        return config.model
     return path.stem if path.suffix.lower() == ".gguf" else path.resolve().name

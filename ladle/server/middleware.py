@@ -1,4 +1,4 @@
-"""Pure ASGI guards in front of the routes: body size limit and the optional API key.
+"""Pure ASGI layers in front of the routes: body size limit, the optional API key, the request log.
 
 Pure ASGI (not BaseHTTPMiddleware) so that streamed responses and client
 disconnects pass through untouched.
@@ -7,8 +7,12 @@ disconnects pass through untouched.
 from __future__ import annotations
 
 import json
+import logging
 import secrets
+import time
+from dataclasses import dataclass
 
+from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ladle.server.errors import error_body
@@ -78,6 +82,33 @@ class BodyLimitMiddleware:
                          headers=[(b"connection", b"close")] if more else None)
 
 
+def route_path(scope: Scope) -> str:
+    """The path the routes see: behind a proxy prefix (--root-path) a client may send it or leave it out."""
+    path, root = scope["path"], scope.get("root_path", "").rstrip("/")
+    if root and (path == root or path.startswith(root + "/")):
+        return path[len(root):] or "/"
+    return path
+
+
+class RootPathMiddleware:
+    """--root-path: the app is served under a proxy's path prefix. As uvicorn's --root-path does, the
+    prefix goes in scope["root_path"] and heads scope["path"] (as ASGI has it), whether or not the proxy
+    stripped it; the routes, /docs and the OpenAPI "servers" then all agree. Outermost but for the log,
+    so every layer inside sees the prefix."""
+
+    def __init__(self, app: ASGIApp, root_path: str):
+        self.app = app
+        self.root = root_path.rstrip("/")
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] in ("http", "websocket") and self.root:
+            path = scope["path"]
+            if not (path == self.root or path.startswith(self.root + "/")):
+                path = self.root + path
+            scope = {**scope, "root_path": self.root, "path": path}
+        await self.app(scope, receive, send)
+
+
 class APIKeyMiddleware:
     """Requires `Authorization: Bearer <key>` on /v1/* (as vLLM's --api-key)."""
 
@@ -86,7 +117,7 @@ class APIKeyMiddleware:
         self.expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"] == "OPTIONS" or not scope["path"].startswith("/v1"):
+        if scope["type"] != "http" or scope["method"] == "OPTIONS" or not route_path(scope).startswith("/v1"):
             return await self.app(scope, receive, send)
         given = dict(scope["headers"]).get(b"authorization", b"")
         if not secrets.compare_digest(given, self.expected):
@@ -94,3 +125,53 @@ class APIKeyMiddleware:
             return await send_error(send, 401, message, code="invalid_api_key",
                                     headers=[(b"www-authenticate", b"Bearer")])
         await self.app(scope, receive, send)
+
+
+# -- the request log (--enable-log-requests) --------------------------------------
+
+REQUEST_LOG = logging.getLogger("ladle.requests")
+_RECORD = "ladle.request_record"
+
+
+@dataclass
+class RequestRecord:
+    """What a route tells the request log about its request: counts, never content."""
+
+    request_id: str | None = None
+    prompt_tokens: int | None = None
+    output_tokens: int | None = None  # a stream sets it when it ends
+
+
+def request_record(request: Request) -> RequestRecord:
+    return request.scope.setdefault(_RECORD, RequestRecord())
+
+
+class RequestLogMiddleware:
+    """One line per request, once its response has been sent: id, route, token counts, status, latency."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        record = scope.setdefault(_RECORD, RequestRecord())
+        start, status = time.perf_counter(), 500  # 500 unless a response starts
+
+        async def noting_status(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, noting_status)
+        finally:
+            latency_ms = (time.perf_counter() - start) * 1000
+            REQUEST_LOG.info("request_id=%s route=\"%s %s\" status=%d prompt_tokens=%s output_tokens=%s "
+                             "latency_ms=%.1f", record.request_id or "-", scope["method"], scope["path"], status,
+                             _count(record.prompt_tokens), _count(record.output_tokens), latency_ms)
+
+
+def _count(n: int | None) -> str:
+    return "-" if n is None else str(n)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import TypeVar
 
 from fastapi import APIRouter, Request
@@ -20,6 +21,7 @@ from ladle.server.constraints import ToolPlan, tool_plan_of
 from ladle.server.context import ServerContext, get_context
 from ladle.server.errors import validation_error
 from ladle.server.logprobs import CompletionLogprobsBuilder, chat_logprobs
+from ladle.server.middleware import RequestRecord, request_record
 from ladle.server.protocol import (
     ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
     ChatCompletionResponse, CompletionChoice, CompletionRequest, CompletionResponse, DeltaMessage, Usage, random_id,
@@ -89,25 +91,49 @@ async def _submit(ctx: ServerContext, request_id: str, prompt: list[int], params
 # -- chat ------------------------------------------------------------------------
 
 
+@dataclass
+class ChatInputs:
+    prompt_ids: list[int]
+    params: SamplingParams
+    tools: ToolPlan | None
+
+
+def prepare_chat(ctx: ServerContext, req: ChatCompletionRequest) -> ChatInputs:
+    """A chat request checked and rendered (with the server's chat template); 400s name its fields.
+    /v1/chat/completions and /v1/responses both come through here."""
+    ctx.check_model(req.model)
+    req.check_supported()
+    ctx.check_logprobs(req.top_logprobs, "top_logprobs")
+    tools = tool_plan_of(req, ctx.tool_call_parser)
+    params = _sampling_params(ctx, req, tools)
+    prompt = chat_prompt(ctx.chat_tokenizer, req.messages, req.add_generation_prompt,
+                         req.continue_final_message, req.chat_template_kwargs, tools.tools if tools else None)
+    return ChatInputs(ctx.engine.tokenizer.encode(prompt), params, tools)
+
+
+async def submit_chat(ctx: ServerContext, request: Request, request_id: str, req: ChatCompletionRequest,
+                      inputs: ChatInputs) -> RequestStream:
+    stream = await _submit(ctx, request_id, inputs.prompt_ids, inputs.params, req.priority, _renames(req))
+    record = request_record(request)
+    record.request_id, record.prompt_tokens = request_id, len(inputs.prompt_ids)
+    return stream
+
+
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request) -> Response:
     ctx = get_context(request)
     req = await parse_body(request, ChatCompletionRequest)
-    ctx.check_model(req.model)
-    req.check_supported()
-    tools = tool_plan_of(req, ctx.tool_call_parser)
-    params = _sampling_params(ctx, req, tools)
-    prompt = chat_prompt(ctx.engine.tokenizer, req.messages, req.add_generation_prompt,
-                         req.continue_final_message, req.chat_template_kwargs, tools.tools if tools else None)
-    ids = ctx.engine.tokenizer.encode(prompt)
+    inputs = prepare_chat(ctx, req)
+    ids, tools = inputs.prompt_ids, inputs.tools
     request_id = random_id("chatcmpl")
-    stream = await _submit(ctx, request_id, ids, params, req.priority, _renames(req))
+    stream = await submit_chat(ctx, request, request_id, req, inputs)
     if req.stream:
-        return sse_response(_chat_events(ctx, req, stream, tools))
+        return sse_response(_chat_events(ctx, req, stream, tools, request_record(request)))
     try:
         result, cached = await unless_disconnected(request, collect(stream, req.n))
     except ClientDisconnected:
         return Response(status_code=499)
+    request_record(request).output_tokens = sum(len(c.token_ids) for c in result.outputs)
     choices = []
     for c in result.outputs:
         message, finish_reason = assistant_message(tools, c.text, c.finish_reason)
@@ -119,7 +145,7 @@ async def chat_completions(request: Request) -> Response:
 
 
 async def _chat_events(ctx: ServerContext, req: ChatCompletionRequest, stream: RequestStream,
-                       tools: ToolPlan | None) -> AsyncIterator[str]:
+                       tools: ToolPlan | None, record: RequestRecord) -> AsyncIterator[str]:
     created = int(time.time())
     exclude = None if req.include_usage else {"usage"}
     num_prompt_tokens = len(stream.prompt_token_ids)
@@ -159,6 +185,7 @@ async def _chat_events(ctx: ServerContext, req: ChatCompletionRequest, stream: R
         yield sse_error(e)
     finally:
         stream.abort()  # a client that left (cancellation lands here) frees its blocks at once
+        record.output_tokens = sum(generated.values())
     yield DONE
 
 
@@ -171,6 +198,7 @@ async def completions(request: Request) -> Response:
     req = await parse_body(request, CompletionRequest)
     ctx.check_model(req.model)
     req.check_supported()
+    ctx.check_logprobs(req.logprobs, "logprobs")
     params = _sampling_params(ctx, req)
     prompts = req.prompts()
     tok = ctx.engine.tokenizer
@@ -186,11 +214,13 @@ async def completions(request: Request) -> Response:
     except BaseException:
         abort_all(streams)
         raise
+    record = request_record(request)
+    record.request_id, record.prompt_tokens = request_id, sum(len(ids) for ids in prompt_ids)
     # only now are token id prompts known to be valid
     prompt_texts = [p if isinstance(p, str) else tok.decode(p, skip_special_tokens=False) if req.echo else ""
                     for p in prompts]
     if req.stream:
-        return sse_response(_completion_events(ctx, req, request_id, streams, prompt_texts))
+        return sse_response(_completion_events(ctx, req, request_id, streams, prompt_texts, record))
     try:
         results = await unless_disconnected(request, _collect_all(streams, req.n))
     except ClientDisconnected:
@@ -210,6 +240,7 @@ async def completions(request: Request) -> Response:
                 logprobs = CompletionLogprobsBuilder(ctx.names).build(token_ids, lps)
             choices.append(CompletionChoice(index=i * req.n + c.index, text=text, logprobs=logprobs,
                                             finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+    record.output_tokens = completion_tokens
     usage = Usage.of(sum(len(ids) for ids in prompt_ids), completion_tokens, cached)
     body = CompletionResponse(id=request_id, model=ctx.model_name, choices=choices, usage=usage)
     return json_response(body)
@@ -234,7 +265,8 @@ def _prompt_logprobs(lps: list | None, num_prompt_tokens: int) -> list:
 
 
 async def _completion_events(ctx: ServerContext, req: CompletionRequest, request_id: str,
-                             streams: list[RequestStream], prompt_texts: list[str]) -> AsyncIterator[str]:
+                             streams: list[RequestStream], prompt_texts: list[str],
+                             record: RequestRecord) -> AsyncIterator[str]:
     created = int(time.time())
     exclude = None if req.include_usage else {"usage"}
     builders: dict[int, CompletionLogprobsBuilder] = {}
@@ -276,4 +308,5 @@ async def _completion_events(ctx: ServerContext, req: CompletionRequest, request
         yield sse_error(e)
     finally:
         abort_all(streams)
+        record.output_tokens = sum(generated.values())
     yield DONE

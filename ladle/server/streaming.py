@@ -24,9 +24,10 @@ class ClientDisconnected(Exception):
     """The client went away before its (non-streamed) response was ready."""
 
 
-def sse_event(payload: BaseModel | dict[str, Any], exclude: set[str] | None = None) -> str:
+def sse_event(payload: BaseModel | dict[str, Any], exclude: set[str] | None = None, event: str | None = None) -> str:
+    """One server-sent event; `event` names it (the Responses API's typed events), else it is unnamed."""
     data = payload.model_dump_json(exclude=exclude) if isinstance(payload, BaseModel) else json.dumps(payload)
-    return f"data: {data}\n\n"
+    return f"event: {event}\ndata: {data}\n\n" if event else f"data: {data}\n\n"
 
 
 def sse_error(exc: BaseException) -> str:

@@ -45,7 +45,7 @@ async def tokenize(request: Request) -> Response:
     ctx.check_model(req.model)
     tok = ctx.engine.tokenizer
     if req.messages is not None:
-        text = chat_prompt(tok, req.messages, req.add_generation_prompt, req.continue_final_message,
+        text = chat_prompt(ctx.chat_tokenizer, req.messages, req.add_generation_prompt, req.continue_final_message,
                            req.chat_template_kwargs)
         add_special = bool(req.add_special_tokens)  # vLLM: the template already holds them
     elif req.prompt is not None:

@@ -1,0 +1,260 @@
+"""POST /v1/responses, GET and DELETE /v1/responses/{id}: OpenAI's Responses API over the chat path.
+
+A request becomes a chat request (instructions, the previous response's conversation, this input),
+is checked, rendered and run exactly as /v1/chat/completions runs one, and its reply becomes one
+assistant message item. Responses made with `store` (the default) are kept in a bounded LRU so a
+later request can continue them with `previous_response_id`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
+
+from ladle.engine.async_engine import RequestStream
+from ladle.errors import InvalidRequestError
+from ladle.server.context import ServerContext, get_context
+from ladle.server.errors import APIError, api_error_of, validation_error
+from ladle.server.middleware import RequestRecord, request_record
+from ladle.server.openai_routes import json_response, prepare_chat, submit_chat
+from ladle.server.protocol import (
+    ChatCompletionRequest, ChatMessage, IncompleteDetails, InputMessage, OutputMessage, OutputText, ResponseError,
+    ResponseObject, ResponsesRequest, ResponseUsage,
+)
+from ladle.server.response_store import StoredResponse
+from ladle.server.streaming import ClientDisconnected, collect, sse_event, sse_response, unless_disconnected
+
+router = APIRouter()
+
+# a chat request's field -> the /v1/responses field the client sent
+_RENAMES = {"max_tokens": "max_output_tokens", "messages": "input", "prompt": "input",
+            "response_format": "text.format", "response_format.json_schema": "text.format"}
+
+
+def _openai_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+# -- the request ----------------------------------------------------------------
+
+
+async def parse_request(request: Request) -> ResponsesRequest:
+    try:
+        return ResponsesRequest.model_validate_json(await request.body())
+    except ValidationError as e:
+        error = validation_error(e.errors())
+        if e.errors()[0]["type"] in ("extra_forbidden", "none_required"):  # a field ladle does not serve
+            raise APIError(400, f"{error.param} is not supported by /v1/responses", param=error.param) from None
+        raise error from None
+
+
+def input_messages(value: str | list[dict[str, Any]]) -> list[ChatMessage]:
+    """The request's `input` as chat messages; 400 naming the item at fault."""
+    if isinstance(value, str):
+        return [ChatMessage(role="user", content=value)]
+    if not value:
+        raise InvalidRequestError("input must be a string or a non-empty list of messages", param="input")
+    return [_input_message(i, item) for i, item in enumerate(value)]
+
+
+def _input_message(i: int, item: dict[str, Any]) -> ChatMessage:
+    where = f"input[{i}]"
+    kind = item.get("type", "message")
+    if kind != "message":
+        raise InvalidRequestError(f"input items of type {kind!r} are not supported (only messages)",
+                                  param=f"{where}.type")
+    try:
+        message = InputMessage.model_validate(item)
+    except ValidationError as e:
+        raise validation_error([{**err, "loc": ("input", i, *err["loc"])} for err in e.errors()]) from None
+    return ChatMessage(role=message.role, content=message.text(where))
+
+
+def _previous_conversation(ctx: ServerContext, response_id: str | None) -> list[ChatMessage]:
+    if response_id is None:
+        return []
+    stored = ctx.responses.get(response_id)
+    if stored is None:
+        raise APIError(404, f"Previous response with id '{response_id}' not found: it was made with store=false, "
+                       f"is unknown, or is older than the {ctx.responses.capacity} responses this server keeps",
+                       param="previous_response_id", code="previous_response_not_found")
+    return list(stored.conversation)
+
+
+def _chat_request(req: ResponsesRequest, conversation: list[ChatMessage]) -> ChatCompletionRequest:
+    # instructions lead this turn only: they are not part of the conversation a next turn continues
+    system = [ChatMessage(role="system", content=req.instructions)] if req.instructions is not None else []
+    return ChatCompletionRequest(model=req.model, messages=system + conversation, max_tokens=req.max_output_tokens,
+                                 temperature=req.temperature, top_p=req.top_p, user=req.user,
+                                 response_format=req.text_format.response_format())
+
+
+@contextmanager
+def _named_as_sent() -> Iterator[None]:
+    """Errors of the chat path name the chat request's fields: rename them to this request's."""
+    try:
+        yield
+    except InvalidRequestError as e:
+        param = e.param or ""
+        new = _RENAMES.get(param) or ("input" if param.startswith("messages[") else None)
+        if new is None:
+            raise
+        raise InvalidRequestError(e.message.replace(param, new), new, e.code) from None
+
+
+# -- the response ---------------------------------------------------------------
+
+
+@dataclass
+class Turn:
+    """One /v1/responses request on its way through the engine."""
+
+    req: ResponsesRequest
+    model: str
+    conversation: list[ChatMessage]  # the previous turns' and this turn's input (no instructions)
+    temperature: float
+    top_p: float
+    id: str
+    message_id: str
+    created_at: int
+
+    def message(self, text: str, status: str) -> OutputMessage:
+        return OutputMessage(id=self.message_id, status=status, content=[OutputText(text=text)])
+
+    def body(self, status: str, output: list[OutputMessage] | None = None, usage: ResponseUsage | None = None,
+             error: ResponseError | None = None) -> ResponseObject:
+        req = self.req
+        return ResponseObject(
+            id=self.id, created_at=self.created_at, status=status, error=error, model=self.model,
+            incomplete_details=IncompleteDetails(reason="max_output_tokens") if status == "incomplete" else None,
+            instructions=req.instructions, max_output_tokens=req.max_output_tokens, output=output or [],
+            parallel_tool_calls=req.parallel_tool_calls is not False, previous_response_id=req.previous_response_id,
+            store=req.store, temperature=self.temperature, top_p=self.top_p, text=req.text_echo(),
+            tool_choice=req.tool_choice or "auto", usage=usage, user=req.user, metadata=req.metadata or {})
+
+    def finished(self, text: str, finish_reason: str | None, usage: ResponseUsage) -> ResponseObject:
+        # cut by max_output_tokens (or the context's end): incomplete, as OpenAI says it
+        status = "incomplete" if finish_reason == "length" else "completed"
+        return self.body(status, [self.message(text, status)], usage)
+
+
+def _keep(ctx: ServerContext, turn: Turn, body: ResponseObject) -> None:
+    if turn.req.store:
+        reply = ChatMessage(role="assistant", content=body.output[0].content[0].text)
+        ctx.responses.put(StoredResponse(body, turn.conversation + [reply]))
+
+
+# -- routes ---------------------------------------------------------------------
+
+
+@router.post("/v1/responses")
+async def create_response(request: Request) -> Response:
+    ctx = get_context(request)
+    req = await parse_request(request)
+    req.check_supported()
+    conversation = _previous_conversation(ctx, req.previous_response_id) + input_messages(req.input)
+    chat_req = _chat_request(req, conversation)
+    turn_id = _openai_id("resp")
+    with _named_as_sent():
+        inputs = prepare_chat(ctx, chat_req)
+        stream = await submit_chat(ctx, request, turn_id, chat_req, inputs)
+    turn = Turn(req, ctx.model_name, conversation, inputs.params.temperature, inputs.params.top_p,
+                turn_id, _openai_id("msg"), int(time.time()))
+    if req.stream:
+        return sse_response(_events(ctx, turn, stream, request_record(request)))
+    try:
+        result, cached = await unless_disconnected(request, collect(stream, 1))
+    except ClientDisconnected:
+        return Response(status_code=499)
+    reply = result.outputs[0]
+    request_record(request).output_tokens = len(reply.token_ids)
+    usage = ResponseUsage.of(len(inputs.prompt_ids), len(reply.token_ids), cached)
+    body = turn.finished(reply.text, reply.finish_reason, usage)
+    _keep(ctx, turn, body)
+    return json_response(body)
+
+
+@router.get("/v1/responses/{response_id}")
+async def retrieve_response(response_id: str, request: Request) -> Response:
+    _refuse_query_params(request)
+    return json_response(_stored(get_context(request), response_id).body)
+
+
+@router.delete("/v1/responses/{response_id}")
+async def delete_response(response_id: str, request: Request) -> Response:
+    ctx = get_context(request)
+    _stored(ctx, response_id)
+    ctx.responses.delete(response_id)
+    return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
+
+
+def _stored(ctx: ServerContext, response_id: str) -> StoredResponse:
+    stored = ctx.responses.get(response_id)
+    if stored is None:
+        raise APIError(404, f"Response with id '{response_id}' not found (responses made with store=false are "
+                       "not kept)", param="response_id", code="response_not_found")
+    return stored
+
+
+def _refuse_query_params(request: Request) -> None:
+    # streaming a stored response again (stream, starting_after) needs background mode, which ladle lacks
+    if request.query_params:
+        name = next(iter(request.query_params))
+        raise APIError(400, f"{name} is not supported when retrieving a response", param=name)
+
+
+# -- streaming ------------------------------------------------------------------
+
+
+async def _events(ctx: ServerContext, turn: Turn, stream: RequestStream, record: RequestRecord) -> AsyncIterator[str]:
+    """The typed events OpenAI sends, in its order: created, in_progress, the message item and its
+    text part opened, text deltas, text/part/item done, then completed (or incomplete)."""
+    sequence = itertools.count()
+
+    def event(kind: str, **fields: Any) -> str:
+        return sse_event({"type": kind, "sequence_number": next(sequence), **fields}, event=kind)
+
+    at = {"item_id": turn.message_id, "output_index": 0, "content_index": 0}
+    started = turn.body("in_progress").model_dump(mode="json")
+    yield event("response.created", response=started)
+    yield event("response.in_progress", response=started)
+    yield event("response.output_item.added", output_index=0,
+                item=turn.message("", "in_progress").model_dump(mode="json"))
+    yield event("response.content_part.added", **at, part=OutputText(text="").model_dump(mode="json"))
+    texts: list[str] = []
+    output_tokens, cached, finish_reason = 0, 0, None
+    try:
+        async for out in stream:
+            cached = out.num_cached_tokens
+            for d in out.deltas:
+                output_tokens += len(d.token_ids)
+                finish_reason = d.finish_reason or finish_reason
+                if d.text:
+                    texts.append(d.text)
+                    yield event("response.output_text.delta", **at, delta=d.text, logprobs=[])
+    except Exception as exc:
+        e = api_error_of(exc)
+        yield event("error", code=e.code, message=e.message, param=e.param)
+        failed = turn.body("failed", error=ResponseError(code=e.code or "server_error", message=e.message))
+        yield event("response.failed", response=failed.model_dump(mode="json"))
+        return
+    finally:
+        stream.abort()  # a client that left (cancellation lands here) frees its blocks at once
+        record.output_tokens = output_tokens
+    usage = ResponseUsage.of(len(stream.prompt_token_ids), output_tokens, cached)
+    body = turn.finished("".join(texts), finish_reason, usage)
+    message = body.output[0]
+    yield event("response.output_text.done", **at, text=message.content[0].text, logprobs=[])
+    yield event("response.content_part.done", **at, part=message.content[0].model_dump(mode="json"))
+    yield event("response.output_item.done", output_index=0, item=message.model_dump(mode="json"))
+    _keep(ctx, turn, body)  # before the last event: a client may continue the moment it reads it
+    yield event(f"response.{body.status}", response=body.model_dump(mode="json"))
