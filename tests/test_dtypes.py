@@ -3,6 +3,7 @@ natively, and the reduced dtypes against transformers in the same dtype on the s
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 from pathlib import Path
@@ -13,6 +14,7 @@ import torch
 from ladle import LLM, SamplingParams
 from ladle.config import EngineConfig
 from ladle.model import dtype as dtypes
+from ladle.model.kernels import native_kernels
 
 PROMPTS = ["The three primary colours are", "def fibonacci(n):", "Once upon a time, in a small village,",
            "The capital of Germany is", "List five fruits:", "Water boils at", "import numpy as np\n",
@@ -36,6 +38,35 @@ def test_auto_measures_where_only_avx512_bf16_is_there() -> None:
     assert choice.name in ("float32", "bfloat16") and "ms in bf16 against" in choice.reason  # the measured figures
     fp32, bf16 = (float(x) for x in re.findall(r"take ([0-9.]+) ms in bf16 against ([0-9.]+)", choice.reason)[0][::-1])
     assert (choice.name == "bfloat16") == (fp32 >= dtypes.MIN_SPEEDUP * bf16)
+
+
+def test_auto_is_decided_once_per_machine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    native_kernels()  # built (or found) in the usual cache first: only the choice goes to tmp_path
+    monkeypatch.setenv("LADLE_CACHE_DIR", str(tmp_path))
+    first = dtypes.choose_dtype("auto")
+    kept = dtypes.auto_choice_file()
+    assert kept.is_relative_to(tmp_path) and json.loads(kept.read_text())["name"] == first.name
+    other = "float32" if first.name == "bfloat16" else "bfloat16"
+    kept.write_text(json.dumps({"name": other, "reason": "auto: decided earlier"}))
+    again = dtypes.choose_dtype("auto")  # read back, not measured again
+    assert again.name == other and again.reason.startswith("auto: decided earlier") and str(kept) in again.reason
+    kept.write_text("{not json")
+    assert dtypes.choose_dtype("auto").name in ("float32", "bfloat16")  # a damaged file: decided anew
+    assert json.loads(kept.read_text())["name"] in ("float32", "bfloat16")
+
+
+def test_auto_computes_quantised_weights_in_float32(smollm2_dir: Path, smollm2_float_dir: Path) -> None:
+    flags = {"avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}  # where bf16 would otherwise win
+    choice = dtypes.choose_dtype("auto", flags, quantized=True)
+    assert choice.name == "float32" and "quantised" in choice.reason
+    assert dtypes.choose_dtype("auto", flags).name == "bfloat16"
+    assert dtypes.choose_dtype("bfloat16", flags, quantized=True).name == "bfloat16"  # asked for: honoured
+    # the engine knows before loading: the embedded GGUF's blocks, --quantization int8; not its float copy
+    for folder, quantization, quantised in ((smollm2_dir, "auto", True), (smollm2_dir, "none", False),
+                                             (smollm2_float_dir, "auto", False), (smollm2_float_dir, "int8", True)):
+        info = LLM(str(folder), dtype="auto", quantization=quantization, kv_cache_memory_gib=0.05).engine.runtime_info()
+        assert ("quantised" in info["dtype_reason"]) == quantised, (folder, quantization, info)
+        assert info["dtype"] == "float32" or not quantised
 
 
 def test_a_dtype_without_hardware_warns_and_says_what_it_costs(caplog: pytest.LogCaptureFixture) -> None:

@@ -5,6 +5,8 @@ prompts on its blocks against the same model dequantised."""
 
 from __future__ import annotations
 
+import re
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -85,8 +87,20 @@ def test_prompt_sized_calls_take_widened_slices(isa_kernels, monkeypatch, weight
 
 
 @pytest.fixture(scope="module")
-def blocks_and_float(smollm2_dir: Path) -> tuple[LLM, LLM]:
-    return LLM(str(smollm2_dir)), LLM(str(smollm2_dir), quantization="none")
+def blocks_and_float(smollm2_dir: Path) -> Iterator[tuple[LLM, LLM]]:
+    """The embedded model on its blocks, prompts forced onto widened slices (where the measurement
+    may send them elsewhere on this CPU), and dequantised."""
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("LADLE_MATMUL", "canonical:torch")
+        blocks = LLM(str(smollm2_dir))
+    yield blocks, LLM(str(smollm2_dir), quantization="none")
+
+
+def test_quantised_prompts_take_the_route_that_measured_faster(smollm2_float_dir: Path) -> None:
+    routing = LLM(str(smollm2_float_dir), quantization="int8", kv_cache_memory_gib=0.05).engine.runner.model.routing
+    kernel, widened = map(float, re.findall(r"kernel ([0-9.]+) ms, widened slices on torch ([0-9.]+) ms",
+                                            routing.measured)[0])
+    assert routing.decode == "canonical" and routing.prefill == ("canonical" if kernel < widened else "torch")
 
 
 def test_long_prompts_on_blocks_match_the_dequantised_model(blocks_and_float) -> None:

@@ -26,7 +26,7 @@ from ladle.model.config import ModelConfig
 from ladle.model.dtype import DTYPES, canonical_name, choose_dtype
 from ladle.model.kv_quant import KV_8BIT
 from ladle.model.quantization import describe as describe_weights
-from ladle.model.loader import load_weights, resolve_model_path
+from ladle.model.loader import holds_quantized_weights, load_weights, resolve_model_path
 from ladle.engine.runner import ModelRunner
 from ladle.engine.sampler import Sampler, token_logprob
 from ladle.model.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -54,7 +54,8 @@ class LLMEngine:
         self.model_config = ModelConfig.from_folder(folder)
         self.tokenizer = Tokenizer.from_folder(folder)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.model_config.eos_token_ids)
-        self.dtype = choose_dtype(config.dtype)
+        self.dtype = choose_dtype(config.dtype, quantized=config.quantization == "int8" or (
+            config.quantization == "auto" and holds_quantized_weights(folder)))
         self.kv_cache_dtype_name = kv_name = self._kv_cache_dtype_name()
         self.kv_dtype = KV_8BIT.get(kv_name) or DTYPES[kv_name]
         native = kernels.native_kernels()

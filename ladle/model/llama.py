@@ -19,7 +19,7 @@ from ladle.model.attention import AttentionBackend, AttentionMetadata
 from ladle.model.config import ModelConfig
 from ladle.model.kernels.routing import MatmulRouting, choose_routing, forced_routing
 from ladle.model.layers import Linear, RotaryEmbedding, add_rms_norm, apply_rotary, rms_norm, silu_and_mul
-from ladle.model.quantization import WIDEN_ROWS, GroupedWeight, cat_weights, make_linear
+from ladle.model.quantization import GroupedWeight, cat_weights, choose_prefill_route, make_linear
 
 
 @dataclass
@@ -103,9 +103,8 @@ class LlamaForCausalLM:
             lin.pack()
         layer_linears = [lin for layer in self.layers for lin in layer.linears if not lin.quantized]
         if not layer_linears:
-            self.routing = forced_routing() or MatmulRouting(
-                "canonical", "torch", f"int8 weights: the canonical kernel, or widened slices on torch above "
-                                      f"{WIDEN_ROWS} rows")
+            self.routing = forced_routing() or (choose_prefill_route(self.layers[0].linears) if self.layers
+                                                else MatmulRouting("canonical", "canonical"))
         else:  # int8 layers always take their kernel; the float ones take what measures fastest
             self.routing = choose_routing(kernels.native_kernels(), [lin.weight for lin in layer_linears],
                                           [lin.packed for lin in layer_linears])

@@ -75,6 +75,23 @@ def resolve_model_path(model: str | Path | None, revision: str | None = None,
     return convert_gguf(path, out)
 
 
+def holds_quantized_weights(folder: Path) -> bool:
+    """Whether load_weights gives `folder`'s linear layers as GroupedWeights: a GGUF's blocks, or a
+    GPTQ / AWQ checkpoint (read from the file headers and config.json, no tensor loaded)."""
+    import json
+
+    from safetensors import safe_open
+
+    config = Path(folder) / "config.json"
+    if config.is_file() and json.loads(config.read_text()).get("quantization_config"):
+        return True
+    for file in sorted(Path(folder).glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            if any(name.endswith(".qweight") for name in f.keys()):
+                return True
+    return False
+
+
 def load_weights(folder: Path, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor | GroupedWeight]:
     """All tensors of the *.safetensors files in `folder` (sharded or not), with HF names, float ones in
     `dtype` (default float32). Quantised layers become one GroupedWeight under NAME.weight: a GGUF's

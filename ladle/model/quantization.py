@@ -42,6 +42,7 @@ import torch
 
 from ladle.model import kernels
 from ladle.model.kernels.native import DOT_BLOCK, exactly_fp16
+from ladle.model.kernels.routing import MatmulRouting, best_seconds
 from ladle.model.layers import Linear
 
 log = logging.getLogger(__name__)
@@ -192,6 +193,9 @@ class Int8Linear(Linear):
         """float32 rows [M, in] (rows may be strided) through the kernel this call's size takes."""
         if not batch_invariant and rows.shape[0] > WIDEN_ROWS and self.routing.prefill == "torch":
             return self._widened_matmul(rows)
+        return self._kernel_matmul(rows)
+
+    def _kernel_matmul(self, rows: torch.Tensor) -> torch.Tensor:
         if self._dot:
             return self._kernels.int8_dot_linear(rows, self._int8_panels, self.scales, self.out_features, self._bias32)
         return self._kernels.canonical_linear(rows, self._int8_panels, self.out_features, self._bias32, self.scales,
@@ -233,3 +237,21 @@ class Int8Linear(Linear):
         _, scales, mins = self._groups
         params = scales.numel() + (0 if mins is None else mins.numel())
         return self._int8_panels.numel() + params * scales.element_size()
+
+
+PREFILL_TIMING_ROWS = 2 * WIDEN_ROWS  # a prompt chunk, for choose_prefill_route
+
+
+def choose_prefill_route(linears: list[Int8Linear]) -> MatmulRouting:
+    """Where calls of more than WIDEN_ROWS rows go, timed on these layers (one decoder layer's):
+    `canonical`, the layers' own kernel, or `torch`, widened slices on torch's GEMM. Which wins
+    depends on the CPU: MKL's float GEMM on an AVX-512 Xeon; the int8 dot kernel on a Zen 5 EPYC,
+    where MKL's float32 GEMM reaches about 170 GFLOP/s. Decode-sized calls always take the kernel."""
+    x = torch.randn(PREFILL_TIMING_ROWS, max(lin.in_features for lin in linears), generator=torch.Generator().manual_seed(0))
+    rows = {lin.in_features: x[:, : lin.in_features] for lin in linears}
+    kernel = best_seconds(lambda: [lin._kernel_matmul(rows[lin.in_features]) for lin in linears], 2)
+    widened = best_seconds(lambda: [lin._widened_matmul(rows[lin.in_features]) for lin in linears], 2)
+    measured = (f"{PREFILL_TIMING_ROWS} rows through a layer's quantised weights: their kernel {kernel * 1e3:.1f} ms, "
+                f"widened slices on torch {widened * 1e3:.1f} ms")
+    return MatmulRouting("canonical", "canonical" if kernel < widened else "torch", measured)
+
