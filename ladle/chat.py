@@ -244,10 +244,24 @@ def answer(backend: Backend, conversation: Conversation, sampling: Sampling, tex
         print("\n(reply stopped)\n", flush=True)
         return
     except ChatError as e:
-        print(f"ladle chat: {e}", file=sys.stderr, flush=True)
+        if _interrupted(e):  # closing the stream after Ctrl-C failed: still a stopped reply
+            print("\n(reply stopped)\n", flush=True)
+        else:
+            print(f"ladle chat: {e}", file=sys.stderr, flush=True)
         return
     print("\n", flush=True)
     conversation.add(text, reply)
+
+
+def _interrupted(error: BaseException | None) -> bool:
+    """Whether a KeyboardInterrupt is among the exceptions that led to `error`."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, KeyboardInterrupt):
+            return True
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return False
 
 
 # -- the command ---------------------------------------------------------------------------------------

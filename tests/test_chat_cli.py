@@ -15,8 +15,10 @@ from pathlib import Path
 
 import httpx
 import openai
+import pytest
 from server_utils import GREEDY, MODEL, Server
 
+from ladle import chat as chat_cli
 from ladle.chat import RemoteChat, Sampling, content_deltas
 
 FRANCE = "What is the capital of France?"
@@ -168,3 +170,26 @@ def test_in_process_on_the_embedded_model(smollm2_dir: Path, client: openai.Open
     second = answer(client, [user(FRANCE), {"role": "assistant", "content": first}, user(GERMANY)], max_tokens=200)
     head, stopped, tail = stdout.partition("\n(reply stopped)\n\n")
     assert stopped and head and tail == f"{first}\n\n{second}\n\n"
+
+
+def test_a_stream_that_fails_to_close_after_ctrl_c_is_a_stopped_reply(capsys: pytest.CaptureFixture) -> None:
+    class Closing:  # Ctrl-C lands while the stream is read; closing it then fails with a transport error
+        def reply(self, messages, sampling, write):
+            try:
+                try:
+                    write("Once upon")
+                    raise KeyboardInterrupt
+                finally:
+                    raise httpx.ReadError("connection reset while closing")
+            except httpx.HTTPError as e:
+                raise chat_cli.ChatError(str(e)) from e
+
+    class Failing:
+        def reply(self, messages, sampling, write):
+            raise chat_cli.ChatError("the server said no")
+
+    conversation = chat_cli.Conversation()
+    chat_cli.answer(Closing(), conversation, chat_cli.Sampling(), "Tell me a story.")
+    assert "(reply stopped)" in capsys.readouterr().out and not conversation.turns
+    chat_cli.answer(Failing(), conversation, chat_cli.Sampling(), "Tell me a story.")
+    assert "the server said no" in capsys.readouterr().err and not conversation.turns
