@@ -286,6 +286,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # Ctrl-C stops a reply even where the chat was started with SIGINT ignored (a parent that ignores
+    # it passes that on, and Python then never raises KeyboardInterrupt)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         backend = _backend(args)
     except (ChatError, FileNotFoundError, ValueError) as e:  # a bad model, flag or server: say so, no traceback

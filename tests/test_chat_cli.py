@@ -49,10 +49,12 @@ def run_chat(args: list[str], stdin: str, timeout: float = 300) -> subprocess.Co
 class ChatProcess:
     """`ladle chat` as a subprocess whose output is read as it comes, each read timestamped."""
 
-    def __init__(self, args: list[str]):
+    def __init__(self, args: list[str], sigint_ignored: bool = False):
         self.stderr = tempfile.TemporaryFile()
+        ignore = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if sigint_ignored else None
         self.proc = subprocess.Popen([sys.executable, "-m", "ladle.cli", "chat", *args], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=self.stderr, bufsize=0, env=ENV)
+                                     stdout=subprocess.PIPE, stderr=self.stderr, bufsize=0, env=ENV,
+                                     preexec_fn=ignore)
         self.reads: list[tuple[float, bytes]] = []
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()
@@ -141,9 +143,10 @@ def test_the_sse_reader_yields_a_real_stream_piece_by_piece(server: Server, clie
 
 
 def test_replies_print_as_they_stream_and_ctrl_c_stops_one(server: Server, client: openai.OpenAI) -> None:
-    # 1200 tokens of story take seconds, so Ctrl-C lands mid-reply even when this process (which
-    # also runs the server) reads the pipe late
-    with ChatProcess(["--base-url", server.base_url, "--temperature", "0", "--max-tokens", "1200"]) as chat:
+    # started with SIGINT ignored, as a parent may pass it on (Python then raises no KeyboardInterrupt
+    # unless the chat restores the handler); 1200 tokens of story take seconds, so Ctrl-C lands mid-reply
+    with ChatProcess(["--base-url", server.base_url, "--temperature", "0", "--max-tokens", "1200"],
+                     sigint_ignored=True) as chat:
         chat.send(f"{LONG}\n")
         reads = chat.wait_for_reads(4)  # the reply's first pieces, each read as it was written
         assert reads[-1][0] - reads[0][0] > 0.02  # spread over time, not all at once
