@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from ladle.server.protocol import ChatMessage, ResponseObject
+from ladle.server.protocol import ChatMessage
+from ladle.server.responses_protocol import ResponseObject
 
 DEFAULT_MAX_STORED_RESPONSES = 1000
 

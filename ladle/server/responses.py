@@ -26,9 +26,10 @@ from ladle.server.context import ServerContext, get_context
 from ladle.server.errors import APIError, api_error_of, validation_error
 from ladle.server.middleware import RequestRecord, request_record
 from ladle.server.openai_routes import json_response, prepare_chat, submit_chat
-from ladle.server.protocol import (
-    ChatCompletionRequest, ChatMessage, IncompleteDetails, InputMessage, OutputMessage, OutputText, ResponseError,
-    ResponseObject, ResponsesRequest, ResponseUsage,
+from ladle.server.protocol import ChatCompletionRequest, ChatMessage
+from ladle.server.responses_protocol import (
+    IncompleteDetails, InputMessage, OutputMessage, OutputText, ResponseError, ResponseObject, ResponsesRequest,
+    ResponseUsage,
 )
 from ladle.server.response_store import StoredResponse
 from ladle.server.streaming import ClientDisconnected, collect, sse_event, sse_response, unless_disconnected

@@ -1,0 +1,197 @@
+"""The request and response models of /v1/responses (OpenAI's Responses API, as vLLM serves it)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ladle.errors import InvalidRequestError
+from ladle.server.constraints import JsonSchemaFormat, ResponseFormat
+from ladle.server.protocol import _Request, _Response
+
+
+# -- /v1/responses ---------------------------------------------------------------
+# OpenAI's Responses API over the chat path: a request becomes chat messages (see
+# ladle.server.responses); the reply is one assistant message item.
+
+
+class _Closed(BaseModel):
+    """/v1/responses refuses what it does not implement: an unknown field is a 400 naming it."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, populate_by_name=True)
+
+
+class InputPart(_Request):
+    # extra ignored: an earlier reply passed back as input carries annotations and logprobs
+    type: str
+    text: str | None = None
+
+
+class InputMessage(_Closed):
+    type: Literal["message"] = "message"
+    role: Literal["user", "system", "developer", "assistant"]
+    content: str | list[InputPart]
+    id: str | None = None  # set on an earlier reply's message passed back as input
+    status: str | None = None
+
+    def text(self, where: str) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        texts = []
+        for j, part in enumerate(self.content):
+            if part.type not in ("input_text", "output_text") or part.text is None:
+                raise InvalidRequestError(f"content parts of type {part.type!r} are not supported "
+                                          "(only input_text and output_text)", param=f"{where}.content[{j}].type")
+            texts.append(part.text)
+        return "\n".join(texts)
+
+
+class TextFormat(_Closed):
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    description: str | None = None
+    strict: bool | None = None
+
+    def response_format(self) -> ResponseFormat | None:
+        """The chat request's response_format for this text.format."""
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return ResponseFormat(type="json_object")
+        if self.schema_ is None:
+            raise InvalidRequestError("text.format of type json_schema needs a schema", param="text.format.schema")
+        return ResponseFormat(type="json_schema", json_schema=JsonSchemaFormat(
+            name=self.name or "response", description=self.description, schema=self.schema_, strict=self.strict))
+
+
+class TextConfig(_Closed):
+    format: TextFormat | None = None
+
+
+MAX_METADATA_KEYS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512  # OpenAI's limits
+
+
+class ResponsesRequest(_Closed):
+    model: str | None = None
+    input: str | list[dict[str, Any]]  # items are checked one by one (ladle.server.responses)
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool = False
+    previous_response_id: str | None = None
+    store: bool = True
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    text: TextConfig | None = None
+    # accepted only where they change nothing: no tools, no extra output, no background runs
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Literal["none", "auto"] | None = None
+    parallel_tool_calls: bool | None = None
+    truncation: Literal["disabled"] | None = None
+    include: list[str] | None = None
+    background: bool | None = None
+    reasoning: None = None
+
+    def check_supported(self) -> None:
+        if self.tools:
+            raise InvalidRequestError("tools are not supported on /v1/responses yet; use /v1/chat/completions",
+                                      param="tools")
+        if self.include:
+            raise InvalidRequestError(f"include {self.include} is not supported", param="include")
+        if self.background:
+            raise InvalidRequestError("background responses are not supported", param="background")
+        if self.metadata is not None:
+            _check_metadata(self.metadata)
+
+    @property
+    def text_format(self) -> TextFormat:
+        return self.text.format if self.text is not None and self.text.format is not None else TextFormat(type="text")
+
+    def text_echo(self) -> dict[str, Any]:
+        """The response's `text`: the format as asked for."""
+        return {"format": self.text_format.model_dump(by_alias=True, exclude_none=True)}
+
+
+def _check_metadata(metadata: dict[str, str]) -> None:
+    if len(metadata) > MAX_METADATA_KEYS:
+        raise InvalidRequestError(f"metadata may hold at most {MAX_METADATA_KEYS} keys", param="metadata")
+    for k, v in metadata.items():
+        if len(k) > MAX_METADATA_KEY or len(v) > MAX_METADATA_VALUE:
+            raise InvalidRequestError(f"metadata keys may be at most {MAX_METADATA_KEY} characters and values "
+                                      f"{MAX_METADATA_VALUE}", param=f"metadata.{k[:MAX_METADATA_KEY]}")
+
+
+class OutputText(_Response):
+    type: Literal["output_text"] = "output_text"
+    text: str
+    annotations: list[Any] = Field(default_factory=list)
+    logprobs: list[Any] = Field(default_factory=list)
+
+
+class OutputMessage(_Response):
+    id: str
+    type: Literal["message"] = "message"
+    role: Literal["assistant"] = "assistant"
+    status: Literal["in_progress", "completed", "incomplete"]
+    content: list[OutputText]
+
+
+class InputTokensDetails(_Response):
+    cached_tokens: int = 0
+    cache_write_tokens: int = 0  # OpenAI's billed cache writes: ladle has none
+
+
+class OutputTokensDetails(_Response):
+    reasoning_tokens: int = 0
+
+
+class ResponseUsage(_Response):
+    input_tokens: int
+    input_tokens_details: InputTokensDetails
+    output_tokens: int
+    output_tokens_details: OutputTokensDetails = Field(default_factory=OutputTokensDetails)
+    total_tokens: int
+
+    @classmethod
+    def of(cls, input_tokens: int, output_tokens: int, cached_tokens: int) -> "ResponseUsage":
+        return cls(input_tokens=input_tokens, output_tokens=output_tokens, total_tokens=input_tokens + output_tokens,
+                   input_tokens_details=InputTokensDetails(cached_tokens=cached_tokens))
+
+
+class IncompleteDetails(_Response):
+    reason: Literal["max_output_tokens"]
+
+
+class ResponseError(_Response):
+    code: str
+    message: str
+
+
+class ResponseObject(_Response):
+    id: str
+    object: Literal["response"] = "response"
+    created_at: int
+    status: Literal["in_progress", "completed", "incomplete", "failed"]
+    error: ResponseError | None = None
+    incomplete_details: IncompleteDetails | None = None
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    model: str
+    output: list[OutputMessage] = Field(default_factory=list)
+    parallel_tool_calls: bool = True
+    previous_response_id: str | None = None
+    reasoning: None = None
+    store: bool = True
+    temperature: float
+    top_p: float
+    text: dict[str, Any]
+    tool_choice: Literal["none", "auto"] = "auto"
+    tools: list[Any] = Field(default_factory=list)
+    truncation: Literal["disabled"] = "disabled"
+    usage: ResponseUsage | None = None
+    user: str | None = None
+    metadata: dict[str, str] = Field(default_factory=dict)
+    background: bool = False
