@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import time
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from gguf.quants import dequantize, quantize
 
 from ladle.model.config import ModelConfig
 from ladle.model.gguf import convert_gguf
-from ladle.model.loader import default_gguf_path, load_weights, resolve_model_path
+from ladle.model.loader import default_gguf_path, gguf_cache_path, load_weights, resolve_model_path
 from ladle.model.quantization import GroupedWeight
 from ladle.model.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -195,6 +196,22 @@ def test_conversion_is_atomic(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     with pytest.raises(KeyboardInterrupt):
         convert_gguf(gguf_path, tmp_path / "out")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny.gguf"]
+
+
+def test_cache_folder_follows_the_content_not_the_file_time(tmp_path: Path) -> None:
+    """A reinstall (a fresh venv) copies the same GGUF with a new mtime: it reuses the converted
+    folder instead of converting again into a new one; a changed file gets its own."""
+    original = tmp_path / "tiny.gguf"
+    _write_tiny_gguf(original, "llama")
+    copy = tmp_path / "copy" / "tiny.gguf"
+    copy.parent.mkdir()
+    copy.write_bytes(original.read_bytes())
+    os.utime(copy, ns=(10**18, 10**18))
+    assert gguf_cache_path(copy) == gguf_cache_path(original)
+    changed = bytearray(original.read_bytes())
+    changed[-1] ^= 1
+    copy.write_bytes(bytes(changed))
+    assert gguf_cache_path(copy) != gguf_cache_path(original)
 
 
 # --- runtime tokenizer ---
