@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import httpx
+import jsonschema
 import openai
 import pydantic
 import pytest
@@ -15,6 +16,18 @@ from ladle.config import EngineConfig
 
 QUESTION = "Say hello in one short sentence."
 USER = [{"role": "user", "content": QUESTION}]
+# function tools in the Responses shape (flat), and the same in the chat shape
+WEATHER = {"type": "function", "name": "get_weather", "description": "Current weather in a city",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                                           "unit": {"enum": ["celsius", "fahrenheit"]}},
+                          "required": ["city", "unit"], "additionalProperties": False}, "strict": True}
+ADD = {"type": "function", "name": "add", "description": "Add two integers",
+       "parameters": {"type": "object", "properties": {"a": {"type": "integer", "minimum": -99, "maximum": 99},
+                                                       "b": {"type": "integer", "minimum": -99, "maximum": 99}},
+                      "required": ["a", "b"], "additionalProperties": False}, "strict": True}
+TOOLS = [WEATHER, ADD]
+CHAT_TOOLS = [{"type": "function", "function": {k: v for k, v in t.items() if k != "type"}} for t in TOOLS]
+ASK = "What is the weather in Paris, and what is 2 + 3?"
 
 
 def respond(client: openai.OpenAI, input, **kw):
@@ -175,8 +188,9 @@ def test_bad_fields_are_400s_naming_them(server: Server, client: openai.OpenAI) 
     cases = [
         ({"input": QUESTION, "frequency_penalty": 0.5}, "frequency_penalty"),  # not a Responses field
         ({"input": QUESTION, "seed": 1}, "seed"),
-        ({"input": QUESTION, "tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools"),
-        ({"input": QUESTION, "tool_choice": "required"}, "tool_choice"),
+        ({"input": QUESTION, "tools": [{"type": "web_search"}]}, "tools[0].type"),  # hosted tools: not served
+        ({"input": QUESTION, "tool_choice": "required"}, "tool_choice"),  # no tools
+        ({"input": QUESTION, "tools": [WEATHER], "tool_choice": {"type": "function", "name": "add"}}, "tool_choice"),
         ({"input": QUESTION, "include": ["message.output_text.logprobs"]}, "include"),
         ({"input": QUESTION, "background": True}, "background"),
         ({"input": QUESTION, "reasoning": {"effort": "low"}}, "reasoning"),
@@ -193,7 +207,8 @@ def test_bad_fields_are_400s_naming_them(server: Server, client: openai.OpenAI) 
         ({}, "input"),
         ({"input": []}, "input"),
         ({"input": "hello " * (limit + 10)}, "input"),  # over the context
-        ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}, "input[0].type"),
+        ({"input": [{"type": "file_search_call", "id": "c"}]}, "input[0].type"),
+        ({"input": [{"type": "function_call", "call_id": "c", "arguments": "{}"}]}, "input[0].name"),
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
          "input[0].content[0].type"),
         ({"input": [{"role": "wizard", "content": "hi"}]}, "input[0].role"),
@@ -219,3 +234,93 @@ def test_the_store_keeps_only_the_most_recent() -> None:
             client.responses.retrieve(ids[0])  # the least recently used, dropped
         for kept in ids[1:]:
             assert respond(client, "More.", max_output_tokens=1, previous_response_id=kept, store=False).output_text
+
+
+# -- function tools -----------------------------------------------------------------------
+
+
+def _calls(r) -> list[tuple[str, str]]:
+    return [(item.name, item.arguments) for item in r.output if item.type == "function_call"]
+
+
+@pytest.mark.parametrize("tool_choice, chat_choice", [
+    ("required", "required"),
+    ({"type": "function", "name": "add"}, {"type": "function", "function": {"name": "add"}})])
+def test_function_calls_equal_the_chat_routes(client: openai.OpenAI, tool_choice, chat_choice) -> None:
+    # one call each: greedy, the 135M model repeats parallel calls past any token budget
+    r = respond(client, ASK, tools=TOOLS, tool_choice=tool_choice, parallel_tool_calls=False, max_output_tokens=200)
+    c = chat(client, [{"role": "user", "content": ASK}], tools=CHAT_TOOLS, tool_choice=chat_choice,
+             parallel_tool_calls=False, max_tokens=200)
+    assert r.status == "completed" and c.choices[0].finish_reason == "tool_calls"
+    assert _calls(r) == [(t.function.name, t.function.arguments) for t in c.choices[0].message.tool_calls]
+    schemas = {t["name"]: t["parameters"] for t in TOOLS}
+    for item in r.output:
+        if item.type == "function_call":
+            assert item.id.startswith("fc_") and item.call_id.startswith("call_") and item.status == "completed"
+            jsonschema.validate(json.loads(item.arguments), schemas[item.name])
+    if isinstance(tool_choice, dict):
+        assert [name for name, _ in _calls(r)] == ["add"] and r.tool_choice.name == "add"
+    assert [t.name for t in r.tools] == ["get_weather", "add"]
+    assert r.usage.input_tokens == c.usage.prompt_tokens  # the tools were shown to the model the same way
+
+
+def test_a_function_result_continues_by_previous_response_id(client: openai.OpenAI) -> None:
+    first = respond(client, ASK, tools=TOOLS, tool_choice={"type": "function", "name": "get_weather"},
+                    max_output_tokens=80)
+    [call] = [item for item in first.output if item.type == "function_call"]
+    result = [{"type": "function_call_output", "call_id": call.call_id, "output": "18 degrees and sunny"}]
+    second = respond(client, result, previous_response_id=first.id, tools=TOOLS, tool_choice="none",
+                     max_output_tokens=30)
+    # the same conversation spelled out for the chat route: the call, then its result
+    history = [{"role": "user", "content": ASK},
+               {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": call.call_id, "type": "function",
+                    "function": {"name": call.name, "arguments": call.arguments}}]},
+               {"role": "tool", "tool_call_id": call.call_id, "content": "18 degrees and sunny"}]
+    c = chat(client, history, tools=CHAT_TOOLS, tool_choice="none", max_tokens=30)
+    assert second.output_text == c.choices[0].message.content and second.output_text
+    assert second.usage.input_tokens == c.usage.prompt_tokens
+    # and passing the call back as an input item, as a client without a store does, is the same turn
+    items = [{"role": "user", "content": ASK}, call.model_dump(exclude_none=True), *result]
+    again = respond(client, items, tools=TOOLS, tool_choice="none", max_output_tokens=30, store=False)
+    assert again.output_text == second.output_text and again.usage.input_tokens == second.usage.input_tokens
+
+
+def test_streamed_function_calls_build_the_same_items(client: openai.OpenAI) -> None:
+    kw = dict(model=MODEL, input=ASK, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
+              max_output_tokens=200, **GREEDY)
+    plain = client.responses.create(**kw)
+    with client.responses.stream(**kw) as stream:
+        events = list(stream)
+        final = stream.get_final_response()  # the SDK rebuilds every item from the events
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
+    added = [e for e in events if e.type == "response.output_item.added"]
+    assert [e.item.type for e in added] == ["function_call"] * len(_calls(plain))
+    assert all(e.item.arguments == "" and e.item.status == "in_progress" for e in added)
+    assert kinds.count("response.function_call_arguments.delta") > len(added)  # arguments arrive in pieces
+    for e in added:
+        pieces = [d.delta for d in events if d.type == "response.function_call_arguments.delta"
+                  and d.item_id == e.item.id]
+        [done] = [d for d in events if d.type == "response.function_call_arguments.done" and d.item_id == e.item.id]
+        assert "".join(pieces) == done.arguments
+    assert _calls(final) == _calls(plain) and final.usage.output_tokens == plain.usage.output_tokens
+    assert [item.id for item in final.output] == [e.item.id for e in added]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+
+
+def test_function_call_items_join_the_assistant_message_before_them() -> None:
+    from ladle.server.responses import input_messages
+
+    call = {"type": "function_call", "name": "add", "arguments": '{"a": 2, "b": 3}', "status": "completed"}
+    messages = input_messages([
+        {"role": "user", "content": ASK},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Let me check."}]},
+        {**call, "call_id": "call_1"}, {**call, "call_id": "call_2"},
+        {"type": "function_call_output", "call_id": "call_1", "output": "5"},
+        {"type": "function_call_output", "call_id": "call_2", "output": "5"},
+        {**call, "call_id": "call_3"}])
+    assert [m.role for m in messages] == ["user", "assistant", "tool", "tool", "assistant"]
+    assert messages[1].content == "Let me check." and [c.id for c in messages[1].tool_calls] == ["call_1", "call_2"]
+    assert [m.tool_call_id for m in messages[2:4]] == ["call_1", "call_2"]
+    assert messages[4].content is None and messages[4].tool_calls[0].function.arguments == '{"a": 2, "b": 3}'

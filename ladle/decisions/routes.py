@@ -11,10 +11,12 @@ from fastapi.responses import Response
 from pydantic import BaseModel
 
 from ladle.decisions import openai_dialect, reference, score, systemone
-from ladle.decisions.protocol import DecisionsRequest, ScoreRequest, parse
+from ladle.decisions.examples import DECISION_EXAMPLES, SCORE_EXAMPLES, SYSTEMONE_EXAMPLES
+from ladle.decisions.protocol import DecisionsRequest, DecisionsResponse, ScoreRequest, ScoreResponse, parse
 from ladle.server.context import get_context
 from ladle.server.errors import APIError
 from ladle.server.openai_routes import json_response
+from ladle.server.openapi import schemas
 from ladle.server.streaming import ClientDisconnected, unless_disconnected
 
 router = APIRouter()
@@ -40,7 +42,9 @@ async def _answer(request: Request, work: Awaitable[BaseModel]) -> Response:
         return Response(status_code=499)
 
 
-@router.post("/v1/decisions")
+@router.post("/v1/decisions", openapi_extra=schemas(
+    DecisionsRequest | openai_dialect.OpenAIDecisionRequest, DecisionsResponse | openai_dialect.OpenAIDecision,
+    examples=DECISION_EXAMPLES))
 async def decisions(request: Request) -> Response:
     ctx = get_context(request)
     raw = await request.body()
@@ -53,7 +57,7 @@ async def decisions(request: Request) -> Response:
     return await _answer(request, reference.handle(ctx.engine, ctx.model_name, req, ctx.decision_extensions))
 
 
-@router.post("/v1/score")
+@router.post("/v1/score", openapi_extra=schemas(ScoreRequest, ScoreResponse, examples=SCORE_EXAMPLES))
 async def score_route(request: Request) -> Response:
     ctx = get_context(request)
     req = parse(ScoreRequest, await request.body())
@@ -61,7 +65,8 @@ async def score_route(request: Request) -> Response:
     return await _answer(request, score.handle(ctx.engine, ctx.model_name, req))
 
 
-@router.post("/v1/systemone")
+@router.post("/v1/systemone", openapi_extra=schemas(systemone.SystemOneRequest, systemone.SystemOneResponse,
+                                                    examples=SYSTEMONE_EXAMPLES))
 async def systemone_route(request: Request) -> Response:
     ctx = get_context(request)
     raw = await request.body()

@@ -16,10 +16,13 @@ from ladle.server import embeddings, openai_routes, responses, utility_routes
 from ladle.server.context import ServerContext
 from ladle.server.errors import install_error_handlers
 from ladle.server.middleware import APIKeyMiddleware, BodyLimitMiddleware, RequestLogMiddleware, RootPathMiddleware
+from ladle.server.openapi import install_openapi
 from ladle.server.protocol import MAX_LOGPROBS
 from ladle.server.response_store import DEFAULT_MAX_STORED_RESPONSES
+from ladle.server.webui import router as webui_router
 
 DEFAULT_MAX_BODY_BYTES = 16 * 2**20
+ROUTERS = (openai_routes.router, responses.router, utility_routes.router, decision_routes.router, embeddings.router)
 
 
 def create_app(engine: AsyncEngine, served_model_name: str, api_key: str | None = None,
@@ -28,14 +31,15 @@ def create_app(engine: AsyncEngine, served_model_name: str, api_key: str | None 
                max_logprobs: int = MAX_LOGPROBS, allowed_origins: list[str] | None = None,
                allowed_methods: list[str] | None = None, allowed_headers: list[str] | None = None,
                allow_credentials: bool = False, root_path: str = "", log_requests: bool = False,
-               max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES) -> FastAPI:
+               max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES, webui: bool = True) -> FastAPI:
     """The app starts the engine thread on startup; stopping it is the caller's (`engine.shutdown()`),
     so one engine can outlive several apps. tool_call_parser: parse tool calls out of replies to
     tool_choice "auto" (vLLM's --enable-auto-tool-choice --tool-call-parser NAME); None refuses "auto".
     chat_template: the Jinja source chat requests are rendered with instead of the tokenizer's.
     allowed_origins: the origins browsers may call from (CORS; None or [] for none, ["*"] for any),
     with allowed_methods and allowed_headers (default any) and allow_credentials. root_path: the
-    prefix a proxy serves the app under. log_requests: one log line per request ("ladle.requests")."""
+    prefix a proxy serves the app under. log_requests: one log line per request ("ladle.requests").
+    webui: serve the browser playground at `/`."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -52,11 +56,11 @@ def create_app(engine: AsyncEngine, served_model_name: str, api_key: str | None 
                                         tool_call_parser=tool_call_parser, chat_template=chat_template,
                                         max_logprobs=max_logprobs, max_stored_responses=max_stored_responses)
     install_error_handlers(app)
-    app.include_router(openai_routes.router)
-    app.include_router(responses.router)
-    app.include_router(utility_routes.router)
-    app.include_router(decision_routes.router)
-    app.include_router(embeddings.router)
+    for router in ROUTERS:
+        app.include_router(router)
+    if webui:
+        app.include_router(webui_router)
+    install_openapi(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)  # no body is read before the key

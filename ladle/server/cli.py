@@ -38,6 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="do not log requests (the default; vLLM's older flag)")
     g.add_argument("--max-stored-responses", type=int, default=None,
                    help="/v1/responses kept for previous_response_id, least recently used dropped (default 1000)")
+    g.add_argument("--no-webui", dest="webui", action="store_false",
+                   help="do not serve the browser playground at /")
     c = parser.add_argument_group("chat and logprobs")
     c.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
                    help="a Jinja chat template (a file, or the template itself) replacing the model's")
@@ -89,7 +91,7 @@ def app_options(args: argparse.Namespace) -> dict:
                 tool_call_parser=auto_tool_call_parser(args), chat_template=template, max_logprobs=max_logprobs,
                 allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
                 allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials,
-                root_path=args.root_path, log_requests=args.enable_log_requests,
+                root_path=args.root_path, log_requests=args.enable_log_requests, webui=args.webui,
                 max_stored_responses=DEFAULT_MAX_STORED_RESPONSES if args.max_stored_responses is None
                 else args.max_stored_responses)
 
@@ -129,6 +131,8 @@ def run(args: argparse.Namespace) -> int:
           f"KV cache {info['kv_cache_dtype']} ({cache['num_gpu_blocks']} blocks of {cache['block_size']} tokens); "
           f"kernels {info['kernels']}; matmuls: {info['matmul']}",
           file=sys.stderr, flush=True)
+    if args.webui:
+        print(f"ladle: playground at http://{host}:{args.port}{args.root_path.rstrip('/')}/", file=sys.stderr)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level, timeout_keep_alive=30)
     finally:

@@ -25,6 +25,7 @@ from ladle.decisions import scoring
 from ladle.errors import InvalidRequestError
 from ladle.server.context import get_context
 from ladle.server.openai_routes import json_response, parse_body
+from ladle.server.openapi import schemas
 from ladle.server.protocol import Usage
 
 router = APIRouter()
@@ -82,7 +83,9 @@ def encode_vector(values: list[float], normalize: bool, encoding: str) -> list[f
     return values
 
 
-@router.post("/v1/embeddings")
+@router.post("/v1/embeddings", openapi_extra=schemas(EmbeddingRequest, EmbeddingResponse, examples={
+    "text": {"input": ["a red apple", "a green pear"]},
+    "mean pooled, base64": {"input": "a red apple", "pooling": "mean", "encoding_format": "base64"}}))
 async def embeddings(request: Request) -> Response:
     ctx = get_context(request)
     req = await parse_body(request, EmbeddingRequest)

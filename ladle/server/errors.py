@@ -9,7 +9,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ladle.engine.admission import QueueFullError
@@ -26,6 +26,19 @@ _TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "inva
 _UNION_TAGS = {"str", "int", "float", "bool", "none", "list", "dict"}
 
 
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """The body of every error answer."""
+
+    error: ErrorDetail
+
+
 class APIError(Exception):
     """Raise anywhere in a route to answer with this status and OpenAI error body."""
 
@@ -40,7 +53,7 @@ class APIError(Exception):
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None,
                type: str | None = None) -> dict[str, Any]:
     kind = type or _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    return ErrorResponse(error=ErrorDetail(message=message, type=kind, param=param, code=code)).model_dump()
 
 
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None,

@@ -22,6 +22,7 @@ from ladle.server.context import ServerContext, get_context
 from ladle.server.errors import validation_error
 from ladle.server.logprobs import CompletionLogprobsBuilder, chat_logprobs
 from ladle.server.middleware import RequestRecord, request_record
+from ladle.server.openapi import schemas
 from ladle.server.protocol import (
     ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
     ChatCompletionResponse, CompletionChoice, CompletionRequest, CompletionResponse, DeltaMessage, Usage, random_id,
@@ -32,6 +33,17 @@ from ladle.server.streaming import (
 
 router = APIRouter()
 M = TypeVar("M", bound=BaseModel)
+CHAT_EXAMPLES = {
+    "chat": {"messages": [{"role": "user", "content": "Say hello in one short sentence."}], "max_tokens": 16},
+    "streamed": {"messages": [{"role": "system", "content": "You are terse."},
+                              {"role": "user", "content": "Name a colour."}],
+                 "max_tokens": 8, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}},
+}
+COMPLETION_EXAMPLES = {
+    "completion": {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0},
+    "streamed": {"prompt": ["Once upon a time", "1, 2, 3,"], "max_tokens": 8, "stream": True, "seed": 7},
+    "echoed logprobs": {"prompt": "Hello world", "max_tokens": 2, "echo": True, "logprobs": 2},
+}
 
 
 async def parse_body(request: Request, model: type[M]) -> M:
@@ -119,7 +131,8 @@ async def submit_chat(ctx: ServerContext, request: Request, request_id: str, req
     return stream
 
 
-@router.post("/v1/chat/completions")
+@router.post("/v1/chat/completions", openapi_extra=schemas(
+    ChatCompletionRequest, ChatCompletionResponse, stream_event=ChatCompletionChunk, examples=CHAT_EXAMPLES))
 async def chat_completions(request: Request) -> Response:
     ctx = get_context(request)
     req = await parse_body(request, ChatCompletionRequest)
@@ -192,7 +205,8 @@ async def _chat_events(ctx: ServerContext, req: ChatCompletionRequest, stream: R
 # -- completions -----------------------------------------------------------------
 
 
-@router.post("/v1/completions")
+@router.post("/v1/completions", openapi_extra=schemas(
+    CompletionRequest, CompletionResponse, stream_event=CompletionResponse, examples=COMPLETION_EXAMPLES))
 async def completions(request: Request) -> Response:
     ctx = get_context(request)
     req = await parse_body(request, CompletionRequest)

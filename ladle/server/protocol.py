@@ -419,3 +419,16 @@ class ModelCard(_Response):
 class ModelList(_Response):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class VersionInfo(_Response):
+    """GET /version: ladle's version and how this engine computes on this machine."""
+
+    version: str
+    dtype: str
+    dtype_reason: str
+    quantization: str | None
+    weights: str
+    kv_cache_dtype: str
+    kernels: str
+    matmul: str

@@ -1,8 +1,8 @@
 """POST /v1/responses, GET and DELETE /v1/responses/{id}: OpenAI's Responses API over the chat path.
 
 A request becomes a chat request (instructions, the previous response's conversation, this input),
-is checked, rendered and run exactly as /v1/chat/completions runs one, and its reply becomes one
-assistant message item. Responses made with `store` (the default) are kept in a bounded LRU so a
+is checked, rendered and run exactly as /v1/chat/completions runs one (function tools included), and
+its reply becomes output items: a message, and a function_call item per call. Responses made with `store` (the default) are kept in a bounded LRU so a
 later request can continue them with `previous_response_id`.
 """
 
@@ -10,26 +10,29 @@ from __future__ import annotations
 
 import itertools
 import time
-import uuid
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from pydantic import ValidationError
 
 from ladle.engine.async_engine import RequestStream
 from ladle.errors import InvalidRequestError
+from ladle.server.chat_tools import ChoiceDeltas, assistant_message
+from ladle.server.constraints import ToolPlan
 from ladle.server.context import ServerContext, get_context
 from ladle.server.errors import APIError, api_error_of, validation_error
 from ladle.server.middleware import RequestRecord, request_record
 from ladle.server.openai_routes import json_response, prepare_chat, submit_chat
-from ladle.server.protocol import ChatCompletionRequest, ChatMessage
+from ladle.server.openapi import schemas
+from ladle.server.protocol import ChatCompletionRequest, ChatMessage, FunctionCall, ToolCallMessage
+from ladle.server.response_output import Status, StreamedOutput, assistant_turn, openai_id, output_items
 from ladle.server.responses_protocol import (
-    IncompleteDetails, InputMessage, OutputMessage, OutputText, ResponseError, ResponseObject, ResponsesRequest,
-    ResponseUsage,
+    FunctionCallInput, FunctionCallOutput, IncompleteDetails, InputMessage, OutputItem, ResponseDeleted,
+    ResponseError, ResponseObject, ResponsesRequest, ResponseStreamEvent, ResponseUsage,
 )
 from ladle.server.response_store import StoredResponse
 from ladle.server.streaming import ClientDisconnected, collect, sse_event, sse_response, unless_disconnected
@@ -39,10 +42,6 @@ router = APIRouter()
 # a chat request's field -> the /v1/responses field the client sent
 _RENAMES = {"max_tokens": "max_output_tokens", "messages": "input", "prompt": "input",
             "response_format": "text.format", "response_format.json_schema": "text.format"}
-
-
-def _openai_id(prefix: str) -> str:
-    return f"{prefix}_{uuid.uuid4().hex}"
 
 
 # -- the request ----------------------------------------------------------------
@@ -58,26 +57,42 @@ async def parse_request(request: Request) -> ResponsesRequest:
         raise error from None
 
 
+INPUT_ITEMS = {"message": InputMessage, "function_call": FunctionCallInput, "function_call_output": FunctionCallOutput}
+
+
 def input_messages(value: str | list[dict[str, Any]]) -> list[ChatMessage]:
-    """The request's `input` as chat messages; 400 naming the item at fault."""
+    """The request's `input` as chat messages (function calls join the assistant message before them,
+    their outputs become tool messages); 400 naming the item at fault."""
     if isinstance(value, str):
         return [ChatMessage(role="user", content=value)]
     if not value:
-        raise InvalidRequestError("input must be a string or a non-empty list of messages", param="input")
-    return [_input_message(i, item) for i, item in enumerate(value)]
+        raise InvalidRequestError("input must be a string or a non-empty list of items", param="input")
+    messages: list[ChatMessage] = []
+    for i, raw in enumerate(value):
+        item = _input_item(i, raw)
+        if isinstance(item, FunctionCallInput):
+            call = ToolCallMessage(id=item.call_id, function=FunctionCall(name=item.name, arguments=item.arguments))
+            last = messages[-1] if messages else None
+            if last is not None and last.role == "assistant":
+                last.tool_calls = (last.tool_calls or []) + [call]
+            else:
+                messages.append(ChatMessage(role="assistant", tool_calls=[call]))
+        elif isinstance(item, FunctionCallOutput):
+            messages.append(ChatMessage(role="tool", tool_call_id=item.call_id, content=item.output))
+        else:
+            messages.append(ChatMessage(role=item.role, content=item.text(f"input[{i}]")))
+    return messages
 
 
-def _input_message(i: int, item: dict[str, Any]) -> ChatMessage:
-    where = f"input[{i}]"
-    kind = item.get("type", "message")
-    if kind != "message":
-        raise InvalidRequestError(f"input items of type {kind!r} are not supported (only messages)",
-                                  param=f"{where}.type")
+def _input_item(i: int, item: Any) -> InputMessage | FunctionCallInput | FunctionCallOutput:
+    kind = item.get("type", "message") if isinstance(item, dict) else None
+    if kind not in INPUT_ITEMS:
+        raise InvalidRequestError(f"input items of type {kind!r} are not supported (only "
+                                  f"{', '.join(INPUT_ITEMS)})", param=f"input[{i}].type")
     try:
-        message = InputMessage.model_validate(item)
+        return INPUT_ITEMS[kind].model_validate(item)
     except ValidationError as e:
         raise validation_error([{**err, "loc": ("input", i, *err["loc"])} for err in e.errors()]) from None
-    return ChatMessage(role=message.role, content=message.text(where))
 
 
 def _previous_conversation(ctx: ServerContext, response_id: str | None) -> list[ChatMessage]:
@@ -94,9 +109,11 @@ def _previous_conversation(ctx: ServerContext, response_id: str | None) -> list[
 def _chat_request(req: ResponsesRequest, conversation: list[ChatMessage]) -> ChatCompletionRequest:
     # instructions lead this turn only: they are not part of the conversation a next turn continues
     system = [ChatMessage(role="system", content=req.instructions)] if req.instructions is not None else []
+    tools = [t.chat_tool() for t in req.tools] if req.tools else None
     return ChatCompletionRequest(model=req.model, messages=system + conversation, max_tokens=req.max_output_tokens,
                                  temperature=req.temperature, top_p=req.top_p, user=req.user,
-                                 response_format=req.text_format.response_format())
+                                 response_format=req.text_format.response_format(), tools=tools,
+                                 tool_choice=req.chat_tool_choice(), parallel_tool_calls=req.parallel_tool_calls)
 
 
 @contextmanager
@@ -121,6 +138,7 @@ class Turn:
 
     req: ResponsesRequest
     model: str
+    tools: ToolPlan | None  # how the reply's text becomes function calls
     conversation: list[ChatMessage]  # the previous turns' and this turn's input (no instructions)
     temperature: float
     top_p: float
@@ -128,10 +146,7 @@ class Turn:
     message_id: str
     created_at: int
 
-    def message(self, text: str, status: str) -> OutputMessage:
-        return OutputMessage(id=self.message_id, status=status, content=[OutputText(text=text)])
-
-    def body(self, status: str, output: list[OutputMessage] | None = None, usage: ResponseUsage | None = None,
+    def body(self, status: str, output: list[OutputItem] | None = None, usage: ResponseUsage | None = None,
              error: ResponseError | None = None) -> ResponseObject:
         req = self.req
         return ResponseObject(
@@ -140,36 +155,48 @@ class Turn:
             instructions=req.instructions, max_output_tokens=req.max_output_tokens, output=output or [],
             parallel_tool_calls=req.parallel_tool_calls is not False, previous_response_id=req.previous_response_id,
             store=req.store, temperature=self.temperature, top_p=self.top_p, text=req.text_echo(),
-            tool_choice=req.tool_choice or "auto", usage=usage, user=req.user, metadata=req.metadata or {})
+            tool_choice=req.tool_choice or "auto", tools=req.tools or [], usage=usage, user=req.user,
+            metadata=req.metadata or {})
 
     def finished(self, text: str, finish_reason: str | None, usage: ResponseUsage) -> ResponseObject:
-        # cut by max_output_tokens (or the context's end): incomplete, as OpenAI says it
-        status = "incomplete" if finish_reason == "length" else "completed"
-        return self.body(status, [self.message(text, status)], usage)
+        reply, _ = assistant_message(self.tools, text, finish_reason)
+        status = _status(finish_reason)
+        return self.body(status, output_items(reply, self.message_id, status), usage)
+
+
+def _status(finish_reason: str | None) -> Status:
+    # cut by max_output_tokens (or the context's end): incomplete, as OpenAI says it
+    return "incomplete" if finish_reason == "length" else "completed"
 
 
 def _keep(ctx: ServerContext, turn: Turn, body: ResponseObject) -> None:
     if turn.req.store:
-        reply = ChatMessage(role="assistant", content=body.output[0].content[0].text)
-        ctx.responses.put(StoredResponse(body, turn.conversation + [reply]))
+        ctx.responses.put(StoredResponse(body, turn.conversation + [assistant_turn(body.output)]))
 
 
 # -- routes ---------------------------------------------------------------------
 
+EXAMPLES = {
+    "text": {"input": "Say hello in one short sentence.", "max_output_tokens": 16},
+    "streamed": {"instructions": "You are terse.", "input": [{"role": "user", "content": "Name a colour."}],
+                 "max_output_tokens": 8, "temperature": 0, "stream": True, "store": False},
+}
 
-@router.post("/v1/responses")
+
+@router.post("/v1/responses", openapi_extra=schemas(ResponsesRequest, ResponseObject, stream_event=ResponseStreamEvent,
+                                                    examples=EXAMPLES))
 async def create_response(request: Request) -> Response:
     ctx = get_context(request)
     req = await parse_request(request)
     req.check_supported()
     conversation = _previous_conversation(ctx, req.previous_response_id) + input_messages(req.input)
     chat_req = _chat_request(req, conversation)
-    turn_id = _openai_id("resp")
+    turn_id = openai_id("resp")
     with _named_as_sent():
         inputs = prepare_chat(ctx, chat_req)
         stream = await submit_chat(ctx, request, turn_id, chat_req, inputs)
-    turn = Turn(req, ctx.model_name, conversation, inputs.params.temperature, inputs.params.top_p,
-                turn_id, _openai_id("msg"), int(time.time()))
+    turn = Turn(req, ctx.model_name, inputs.tools, conversation, inputs.params.temperature, inputs.params.top_p,
+                turn_id, openai_id("msg"), int(time.time()))
     if req.stream:
         return sse_response(_events(ctx, turn, stream, request_record(request)))
     try:
@@ -184,18 +211,18 @@ async def create_response(request: Request) -> Response:
     return json_response(body)
 
 
-@router.get("/v1/responses/{response_id}")
+@router.get("/v1/responses/{response_id}", openapi_extra=schemas(response=ResponseObject))
 async def retrieve_response(response_id: str, request: Request) -> Response:
     _refuse_query_params(request)
     return json_response(_stored(get_context(request), response_id).body)
 
 
-@router.delete("/v1/responses/{response_id}")
+@router.delete("/v1/responses/{response_id}", openapi_extra=schemas(response=ResponseDeleted))
 async def delete_response(response_id: str, request: Request) -> Response:
     ctx = get_context(request)
     _stored(ctx, response_id)
     ctx.responses.delete(response_id)
-    return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
+    return json_response(ResponseDeleted(id=response_id))
 
 
 def _stored(ctx: ServerContext, response_id: str) -> StoredResponse:
@@ -217,21 +244,18 @@ def _refuse_query_params(request: Request) -> None:
 
 
 async def _events(ctx: ServerContext, turn: Turn, stream: RequestStream, record: RequestRecord) -> AsyncIterator[str]:
-    """The typed events OpenAI sends, in its order: created, in_progress, the message item and its
-    text part opened, text deltas, text/part/item done, then completed (or incomplete)."""
+    """The typed events OpenAI sends, in its order: created, in_progress, each output item opened
+    (a message and its text part, or a function call) and grown by deltas, every item done, then
+    completed (or incomplete)."""
     sequence = itertools.count()
 
     def event(kind: str, **fields: Any) -> str:
         return sse_event({"type": kind, "sequence_number": next(sequence), **fields}, event=kind)
 
-    at = {"item_id": turn.message_id, "output_index": 0, "content_index": 0}
     started = turn.body("in_progress").model_dump(mode="json")
     yield event("response.created", response=started)
     yield event("response.in_progress", response=started)
-    yield event("response.output_item.added", output_index=0,
-                item=turn.message("", "in_progress").model_dump(mode="json"))
-    yield event("response.content_part.added", **at, part=OutputText(text="").model_dump(mode="json"))
-    texts: list[str] = []
+    output, deltas = StreamedOutput(event, turn.message_id), ChoiceDeltas(turn.tools)
     output_tokens, cached, finish_reason = 0, 0, None
     try:
         async for out in stream:
@@ -239,9 +263,9 @@ async def _events(ctx: ServerContext, turn: Turn, stream: RequestStream, record:
             for d in out.deltas:
                 output_tokens += len(d.token_ids)
                 finish_reason = d.finish_reason or finish_reason
-                if d.text:
-                    texts.append(d.text)
-                    yield event("response.output_text.delta", **at, delta=d.text, logprobs=[])
+                delta = deltas.delta(d.text, last=d.finish_reason is not None)
+                for e in output.feed(delta) if delta is not None else []:
+                    yield e
     except Exception as exc:
         e = api_error_of(exc)
         yield event("error", code=e.code, message=e.message, param=e.param)
@@ -251,11 +275,9 @@ async def _events(ctx: ServerContext, turn: Turn, stream: RequestStream, record:
     finally:
         stream.abort()  # a client that left (cancellation lands here) frees its blocks at once
         record.output_tokens = output_tokens
+    for e in output.finish(_status(finish_reason)):
+        yield e
     usage = ResponseUsage.of(len(stream.prompt_token_ids), output_tokens, cached)
-    body = turn.finished("".join(texts), finish_reason, usage)
-    message = body.output[0]
-    yield event("response.output_text.done", **at, text=message.content[0].text, logprobs=[])
-    yield event("response.content_part.done", **at, part=message.content[0].model_dump(mode="json"))
-    yield event("response.output_item.done", output_index=0, item=message.model_dump(mode="json"))
+    body = turn.body(_status(finish_reason), output.items, usage)
     _keep(ctx, turn, body)  # before the last event: a client may continue the moment it reads it
     yield event(f"response.{body.status}", response=body.model_dump(mode="json"))

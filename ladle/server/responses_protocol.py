@@ -7,7 +7,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from ladle.errors import InvalidRequestError
-from ladle.server.constraints import JsonSchemaFormat, ResponseFormat
+from ladle.server.constraints import (
+    FunctionDefinition, JsonSchemaFormat, NamedFunction, NamedToolChoice, ResponseFormat, ToolDefinition,
+)
 from ladle.server.protocol import _Request, _Response
 
 
@@ -45,6 +47,44 @@ class InputMessage(_Closed):
                                           "(only input_text and output_text)", param=f"{where}.content[{j}].type")
             texts.append(part.text)
         return "\n".join(texts)
+
+
+class FunctionCallInput(_Closed):
+    """An earlier reply's function call, passed back as input."""
+
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+    id: str | None = None
+    status: str | None = None
+
+
+class FunctionCallOutput(_Closed):
+    """The result of a call, for the model's next turn."""
+
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str
+    id: str | None = None
+    status: str | None = None
+
+
+class FunctionTool(_Closed):
+    type: Literal["function"]
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+    def chat_tool(self) -> ToolDefinition:
+        return ToolDefinition(function=FunctionDefinition(name=self.name, description=self.description,
+                                                          parameters=self.parameters, strict=self.strict))
+
+
+class FunctionToolChoice(_Closed):
+    type: Literal["function"]
+    name: str
 
 
 class TextFormat(_Closed):
@@ -86,19 +126,16 @@ class ResponsesRequest(_Closed):
     metadata: dict[str, str] | None = None
     user: str | None = None
     text: TextConfig | None = None
-    # accepted only where they change nothing: no tools, no extra output, no background runs
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Literal["none", "auto"] | None = None
+    tools: list[FunctionTool] | None = None  # function tools; OpenAI's hosted tools are not served
+    tool_choice: Literal["none", "auto", "required"] | FunctionToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # accepted only where they change nothing: no extra output, no background runs
     truncation: Literal["disabled"] | None = None
     include: list[str] | None = None
     background: bool | None = None
     reasoning: None = None
 
     def check_supported(self) -> None:
-        if self.tools:
-            raise InvalidRequestError("tools are not supported on /v1/responses yet; use /v1/chat/completions",
-                                      param="tools")
         if self.include:
             raise InvalidRequestError(f"include {self.include} is not supported", param="include")
         if self.background:
@@ -109,6 +146,12 @@ class ResponsesRequest(_Closed):
     @property
     def text_format(self) -> TextFormat:
         return self.text.format if self.text is not None and self.text.format is not None else TextFormat(type="text")
+
+    def chat_tool_choice(self) -> str | NamedToolChoice | None:
+        choice = self.tool_choice
+        if isinstance(choice, FunctionToolChoice):
+            return NamedToolChoice(function=NamedFunction(name=choice.name))
+        return choice
 
     def text_echo(self) -> dict[str, Any]:
         """The response's `text`: the format as asked for."""
@@ -137,6 +180,18 @@ class OutputMessage(_Response):
     role: Literal["assistant"] = "assistant"
     status: Literal["in_progress", "completed", "incomplete"]
     content: list[OutputText]
+
+
+class FunctionCallItem(_Response):
+    id: str
+    type: Literal["function_call"] = "function_call"
+    call_id: str
+    name: str
+    arguments: str
+    status: Literal["in_progress", "completed", "incomplete"]
+
+
+OutputItem = OutputMessage | FunctionCallItem
 
 
 class InputTokensDetails(_Response):
@@ -180,7 +235,7 @@ class ResponseObject(_Response):
     instructions: str | None = None
     max_output_tokens: int | None = None
     model: str
-    output: list[OutputMessage] = Field(default_factory=list)
+    output: list[OutputItem] = Field(default_factory=list)
     parallel_tool_calls: bool = True
     previous_response_id: str | None = None
     reasoning: None = None
@@ -188,10 +243,26 @@ class ResponseObject(_Response):
     temperature: float
     top_p: float
     text: dict[str, Any]
-    tool_choice: Literal["none", "auto"] = "auto"
-    tools: list[Any] = Field(default_factory=list)
+    tool_choice: Literal["none", "auto", "required"] | FunctionToolChoice = "auto"
+    tools: list[FunctionTool] = Field(default_factory=list)
     truncation: Literal["disabled"] = "disabled"
     usage: ResponseUsage | None = None
     user: str | None = None
     metadata: dict[str, str] = Field(default_factory=dict)
     background: bool = False
+
+
+class ResponseDeleted(_Response):
+    id: str
+    object: Literal["response.deleted"] = "response.deleted"
+    deleted: bool = True
+
+
+class ResponseStreamEvent(BaseModel):
+    """A streamed event: `type` says which (response.created, response.output_text.delta, ...,
+    response.completed) and the rest of its fields follow OpenAI's event of that type."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: str
+    sequence_number: int

@@ -9,13 +9,15 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from ladle import __version__
+from ladle.engine.async_engine import EngineSnapshot
 from ladle.errors import InvalidRequestError
 from ladle.server.chat_prompt import chat_prompt
 from ladle.server.context import ServerContext, get_context
 from ladle.server.errors import APIError
 from ladle.server.openai_routes import json_response, parse_body
+from ladle.server.openapi import schemas
 from ladle.server.protocol import (
-    DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList, TokenizeRequest, TokenizeResponse,
+    DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList, TokenizeRequest, TokenizeResponse, VersionInfo,
 )
 
 router = APIRouter()
@@ -26,19 +28,21 @@ def _card(ctx: ServerContext) -> ModelCard:
                      max_model_len=ctx.engine.max_model_len)
 
 
-@router.get("/v1/models")
+@router.get("/v1/models", openapi_extra=schemas(response=ModelList))
 async def list_models(request: Request) -> Response:
     return json_response(ModelList(data=[_card(get_context(request))]))
 
 
-@router.get("/v1/models/{model:path}")
+@router.get("/v1/models/{model:path}", openapi_extra=schemas(response=ModelCard))
 async def retrieve_model(model: str, request: Request) -> Response:
     ctx = get_context(request)
     ctx.check_model(model)
     return json_response(_card(ctx))
 
 
-@router.post("/tokenize")
+@router.post("/tokenize", openapi_extra=schemas(TokenizeRequest, TokenizeResponse, examples={
+    "prompt": {"prompt": "Hello world", "return_token_strs": True},
+    "chat": {"messages": [{"role": "user", "content": "Hi"}]}}))
 async def tokenize(request: Request) -> Response:
     ctx = get_context(request)
     req = await parse_body(request, TokenizeRequest)
@@ -59,7 +63,8 @@ async def tokenize(request: Request) -> Response:
     return json_response(body)
 
 
-@router.post("/detokenize")
+@router.post("/detokenize", openapi_extra=schemas(DetokenizeRequest, DetokenizeResponse, examples={
+    "tokens": {"tokens": [19556, 905]}}))
 async def detokenize(request: Request) -> Response:
     ctx = get_context(request)
     req = await parse_body(request, DetokenizeRequest)
@@ -71,25 +76,25 @@ async def detokenize(request: Request) -> Response:
     return json_response(DetokenizeResponse(prompt=ctx.engine.tokenizer.decode(req.tokens)))
 
 
-@router.get("/health")
+@router.get("/health", openapi_extra=schemas())
 async def health(request: Request) -> Response:
     if not get_context(request).engine.is_running:
         raise APIError(503, "the engine is not running", code="engine_unavailable")
     return Response(status_code=200)
 
 
-@router.get("/version")
+@router.get("/version", openapi_extra=schemas(response=VersionInfo))
 async def version(request: Request) -> Response:
-    return JSONResponse({"version": __version__, **get_context(request).engine.runtime_info})
+    return json_response(VersionInfo(version=__version__, **get_context(request).engine.runtime_info))
 
 
-@router.get("/v1/engine/stats")
+@router.get("/v1/engine/stats", openapi_extra=schemas(response=EngineSnapshot))
 async def engine_stats(request: Request) -> Response:
     """Scheduler and KV pool state after the last step (GET /metrics has the same, for Prometheus)."""
     return JSONResponse(asdict(get_context(request).engine.snapshot()))
 
 
-@router.get("/metrics")
+@router.get("/metrics", openapi_extra=schemas(media_type="text/plain"))
 async def metrics(request: Request) -> Response:
     """Prometheus text format, with vLLM's metric names."""
     return Response(get_context(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)
