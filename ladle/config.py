@@ -6,6 +6,8 @@ import argparse
 import os
 from dataclasses import dataclass, field
 
+from ladle.spec_decode.config import SpeculativeConfig
+
 SCHEDULING_POLICIES = ("fcfs", "priority", "lpm")
 QUANTIZATIONS = ("auto", "none", "int8")  # ladle.model.quantization's meanings
 KV_8BIT_NAMES = ("int8", "fp8", "fp8_e4m3")  # ladle.model.kv_quant's formats (named here: no torch import)
@@ -35,8 +37,11 @@ class EngineConfig:
     dtype: str = field(default_factory=lambda: os.environ.get("LADLE_DTYPE", "auto"))
     kv_cache_dtype: str = "auto"  # auto follows the compute dtype; int8 / fp8: 8 bits and a scale per token and head
     quantization: str = "auto"  # auto | none | int8: how linear weights are held (ladle.model.quantization)
+    speculative_config: SpeculativeConfig | None = None  # speculative decoding (ladle.spec_decode); None: off
 
     def __post_init__(self) -> None:
+        if isinstance(self.speculative_config, (dict, str)):  # LLM(speculative_config={...}), as vLLM takes it
+            self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}")
         from ladle.model.dtype import canonical_name  # validates the names early, with a clear message
@@ -98,6 +103,10 @@ def add_engine_arguments(parser) -> None:
                    help="auto: weights as the checkpoint holds them (a GGUF's Q8_0/Q4_0/Q4_1 blocks served as "
                         "grouped int8, float tensors as float); none: everything dequantised to float; int8: "
                         "float weights also quantised at load to int8 with a scale per output row")
+    g.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding, as vLLM takes it: \'{"method": "ngram", "num_speculative_tokens": 4, '
+                        '"prompt_lookup_max": 4}\' (also prompt_lookup_min, disable_by_batch_size); '
+                        "lossless: greedy output is unchanged")
 
 
 def engine_config_from_args(args) -> EngineConfig:
@@ -111,4 +120,5 @@ def engine_config_from_args(args) -> EngineConfig:
         max_waiting_requests=args.max_waiting_requests, num_threads=args.num_threads, seed=args.seed,
         deterministic=args.deterministic, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
         quantization=args.quantization,
+        speculative_config=SpeculativeConfig.parse(args.speculative_config) if args.speculative_config else None,
     )

@@ -6,11 +6,13 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
 import torch
 from server_utils import MODEL, NUM_KV_BLOCKS, Server, ServerThread
+from tiny_models import build_tiny_model
 
 from ladle.config import EngineConfig
 from ladle.engine.async_engine import AsyncEngine
@@ -114,3 +116,16 @@ def client(server: Server) -> Iterator[openai.OpenAI]:
     c = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=300)
     yield c
     c.close()
+
+
+VOCAB = 64  # the SmolLM2 tokenizer's first 64 ids: 17 special tokens, then "!" .. "O"
+Tiny = tuple[Path, Any]  # the checkpoint folder, and transformers' float64 load of it
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Tiny:
+    """A tiny random Llama with a 64-token vocabulary: many samples per token (sampling tests)."""
+    from transformers import AutoModelForCausalLM
+
+    folder = build_tiny_model("llama", tmp_path_factory.mktemp("tiny64"), smollm2_dir, vocab_size=VOCAB)
+    return folder, AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64).eval()

@@ -15,6 +15,7 @@ from ladle.engine.async_engine import AsyncEngine, EngineStoppedError, RequestAb
 from ladle.engine.request import CompletionDelta, StepOutput
 from ladle.engine.sampling_params import SamplingParams
 from ladle.errors import InvalidRequestError
+from ladle.spec_decode.stats import SpecDecodeStats
 
 
 class ScriptedEngine:
@@ -30,7 +31,7 @@ class ScriptedEngine:
         self.scheduler = SimpleNamespace(running=[], waiting=[], num_preemptions=0)
         self.kv = SimpleNamespace(num_blocks=8, num_free_blocks=8, usage=0.0, num_cached_blocks=0,
                                   stats=SimpleNamespace(queries=0, hits=0, evictions=0))
-        self.stats = SimpleNamespace(prompt_tokens=0, generation_tokens=0, steps=0)
+        self.stats = SimpleNamespace(prompt_tokens=0, generation_tokens=0, steps=0, spec=SpecDecodeStats())
         self.aborted: list[str] = []
         self.fail_at_step = fail_at_step
         self.threads: set[int] = set()

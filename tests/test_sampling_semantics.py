@@ -10,32 +10,19 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 import torch
+from conftest import VOCAB, Tiny  # the tiny 64-token model (fixture `tiny`)
 from server_utils import MODEL, Server, own_server
-from tiny_models import build_tiny_model
 
 from ladle import LLM, SamplingParams
 from ladle.config import EngineConfig
 
-VOCAB = 64  # the SmolLM2 tokenizer's first 64 ids: 17 special tokens, then "!" .. "O"
 PROMPT = [t for t in range(17, VOCAB) if t % 3]  # 31 distinct printable tokens: repetition penalty has much to act on
 P_MIN = 1e-4  # chi-square p-value floor: a correct sampler fails it once in 10,000 seeds
-
-Tiny = tuple[Path, Any]  # the checkpoint folder, and transformers' float64 load of it
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Tiny:
-    """A tiny random Llama with a 64-token vocabulary."""
-    from transformers import AutoModelForCausalLM
-
-    folder = build_tiny_model("llama", tmp_path_factory.mktemp("tiny64"), smollm2_dir, vocab_size=VOCAB)
-    return folder, AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64).eval()
 
 
 @pytest.fixture(scope="module")

@@ -13,13 +13,14 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ladle.engine.admission import CompletionRate, QueueFullError
 from ladle.engine.engine import LLMEngine
 from ladle.engine.request import Sequence, StepOutput
 from ladle.engine.sampling_params import SamplingParams
 from ladle.engine.threads import claim_compute, release_openmp_team
+from ladle.spec_decode.stats import SpecDecodeStats
 
 log = logging.getLogger("ladle")
 
@@ -50,6 +51,7 @@ class EngineSnapshot:
     prefix_cache_hits: int = 0  # of those, found cached
     prefix_cache_evictions: int = 0  # blocks evicted from the prefix cache
     num_cached_blocks: int = 0  # blocks in the prefix cache, referenced or not
+    spec_decode: SpecDecodeStats = field(default_factory=SpecDecodeStats)  # speculative decoding's totals
 
 
 @dataclass(frozen=True)
@@ -365,6 +367,7 @@ class AsyncEngine:
             generation_tokens=e.stats.generation_tokens, steps=e.stats.steps,
             prefix_cache_queries=e.kv.stats.queries, prefix_cache_hits=e.kv.stats.hits,
             prefix_cache_evictions=e.kv.stats.evictions, num_cached_blocks=e.kv.num_cached_blocks,
+            spec_decode=replace(e.stats.spec, accepted_per_pos=list(e.stats.spec.accepted_per_pos)),
         )
 
     def _notify(self, report: StepReport) -> None:

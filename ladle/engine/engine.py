@@ -8,7 +8,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -30,6 +30,9 @@ from ladle.model.loader import holds_quantized_weights, load_weights, resolve_mo
 from ladle.engine.runner import ModelRunner
 from ladle.engine.sampler import Sampler, token_logprob
 from ladle.model.tokenizer import IncrementalDetokenizer, Tokenizer
+from ladle.spec_decode import early_exit, ngram
+from ladle.spec_decode.stats import SpecDecodeStats
+from ladle.spec_decode.verify import verify
 from ladle.structured.grammar import GrammarCompiler
 from ladle.structured.matcher import GrammarState
 
@@ -43,6 +46,7 @@ class EngineStats:
     prompt_tokens: int = 0
     generation_tokens: int = 0
     steps: int = 0
+    spec: SpecDecodeStats = field(default_factory=SpecDecodeStats)
 
 
 class LLMEngine:
@@ -184,6 +188,7 @@ class LLMEngine:
     # -- the step -------------------------------------------------------------
 
     def step(self) -> list[StepOutput]:
+        self._propose_drafts()
         plan = self.scheduler.schedule()
         if not plan:
             return []
@@ -191,6 +196,7 @@ class LLMEngine:
         logits = self.runner.execute(plan.scheduled)
         for item in plan.scheduled:
             item.seq.first_scheduled_time = item.seq.first_scheduled_time or now
+        verified = self._verify_drafts(plan, logits.draft_rows)
         self.scheduler.update_after_step(plan)
         for seq, first, rows in logits.prompt_rows:
             self._record_prompt_logprobs(seq, first, rows)
@@ -205,9 +211,79 @@ class LLMEngine:
         for i in scored:
             seq = logits.sample_seqs[i]
             deltas.setdefault(seq.request_id, []).append(self._finish_scoring(seq, logits.sample_logits[i], done_at))
+        for seq, emitted in verified:
+            deltas.setdefault(seq.request_id, []).append(self._append_verified(seq, emitted, done_at))
         self.stats.steps += 1
-        self.stats.generation_tokens += len(sampled)
+        self.stats.generation_tokens += len(sampled) + sum(len(emitted) for _, emitted in verified)
         return [self._request_output(rid, d) for rid, d in deltas.items()]
+
+    # -- speculative decoding (ladle.spec_decode) --------------------------------
+
+    def _propose_drafts(self) -> None:
+        spec = self.config.speculative_config
+        if spec is None:
+            return
+        k = spec.tokens_at(len(self.scheduler.running))
+        drafting, rooms = [], []
+        for seq in self.scheduler.running:
+            seq.draft_token_ids = []
+            # at most what max_tokens and the context leave after this step's own token
+            room = min(k, seq.params.max_tokens - seq.num_output_tokens - 1, self.max_model_len - seq.num_tokens - 1)
+            if room > 0 and self._may_speculate(seq):
+                drafting.append(seq)
+                rooms.append(room)
+        if spec.method == "ngram":
+            for seq, room in zip(drafting, rooms):
+                seq.draft_token_ids = ngram.propose(seq.token_ids, room, spec.prompt_lookup_min,
+                                                    spec.prompt_lookup_max)
+            return
+        # early exit: the drafting layers write K/V at the drafted positions, so those need blocks
+        placed = [(seq, room) for seq, room in zip(drafting, rooms) if self.kv.allocate_slots(seq, room + 1)]
+        layers = spec.draft_layers or max(1, self.model_config.num_hidden_layers // 4)
+        drafts = early_exit.propose(self.runner, [s for s, _ in placed], [r for _, r in placed],
+                                    min(layers, self.model_config.num_hidden_layers))
+        for (seq, _), draft in zip(placed, drafts):
+            seq.draft_token_ids = draft
+
+    @staticmethod
+    def _may_speculate(seq: Sequence) -> bool:
+        """Decoding, and nothing that speculation does not serve yet: grammars (their matcher would
+        need rolling back), canonical numerics (a verification step is not a decode step)."""
+        return (seq.num_computed_tokens == seq.num_tokens - 1 and seq.grammar is None and not seq.canonical
+                and not seq.params.is_scoring)
+
+    def _verify_drafts(self, plan, draft_rows: list[tuple[Sequence, torch.Tensor]]) -> list:
+        """Decide each drafting sequence's tokens before the scheduler counts them: only the kept
+        drafts were computed for good (the rejected ones' K/V slots are written over later)."""
+        if not draft_rows:
+            return []
+        items = {item.seq.seq_id: item for item in plan.scheduled}
+        verified = []
+        for seq, rows in draft_rows:
+            drafts, seq.draft_token_ids = seq.draft_token_ids, []
+            emitted = verify(rows, seq, drafts, self.sampler.sample_one)
+            kept = len(emitted) - 1
+            items[seq.seq_id].num_new_tokens = 1 + kept
+            seq.token_ids.extend(token for token, _ in emitted[:kept])  # so their blocks cache as they are
+            self.stats.spec.record(len(drafts), kept)
+            verified.append((seq, emitted))
+        return verified
+
+    def _append_verified(self, seq: Sequence, emitted: list, now: float) -> CompletionDelta:
+        """The kept drafts and the drawn token, through the same checks as any sampled token (stop
+        strings, EOS, max_tokens), as one delta; blocks written only by rejected drafts go back."""
+        del seq.token_ids[len(seq.token_ids) - (len(emitted) - 1) :]
+        parts = []
+        for token, lp in emitted:
+            parts.append(self._append_token(seq, token, lp, now))
+            if parts[-1].finish_reason is not None:
+                break
+        if not seq.is_finished:
+            self.kv.trim(seq)
+        last = parts[-1]
+        return CompletionDelta(index=seq.index, token_ids=[t for d in parts for t in d.token_ids],
+                               text="".join(d.text for d in parts), logprobs=[lp for d in parts for lp in d.logprobs],
+                               finish_reason=last.finish_reason, stop_reason=last.stop_reason)
 
     def _append_token(self, seq: Sequence, token: int, lp: TokenLogprob | None, now: float) -> CompletionDelta:
         seq.token_ids.append(token)

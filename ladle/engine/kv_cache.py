@@ -206,6 +206,12 @@ class KVCacheManager:
             seq.block_table.append(self._take_block())
         return True
 
+    def trim(self, seq: Sequence) -> None:
+        """Give back the blocks past seq's tokens: those only rejected drafts were written to."""
+        keep = self.blocks_for(seq.num_tokens)
+        while len(seq.block_table) > keep:
+            self._unref(seq.block_table.pop())
+
     def _take_block(self) -> int:
         if not self.pool.free_ids:
             self._evict_one()

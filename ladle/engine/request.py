@@ -65,6 +65,9 @@ class Sequence:
     in_step_copy: tuple[int, int, int] | None = None
     generator: "torch.Generator | None" = None
     grammar: "GrammarState | None" = None  # params.structured_outputs: where the output is in it
+    # tokens proposed to follow token_ids, verified by this step's forward (speculative decoding);
+    # never part of token_ids until the target keeps them
+    draft_token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None
     text: "OutputTextTracker | None" = None

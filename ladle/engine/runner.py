@@ -27,6 +27,8 @@ class StepLogits:
     sample_seqs: list[Sequence]  # sequences that sample a token this step
     sample_logits: torch.Tensor  # [len(sample_seqs), V]
     prompt_rows: list[tuple[Sequence, int, torch.Tensor]]  # (seq, first position, logits [n, V])
+    # sequences verifying drafts: logits after their last token and after each draft [1 + drafts, V]
+    draft_rows: list[tuple[Sequence, torch.Tensor]]
 
 
 class ModelRunner:
@@ -52,7 +54,8 @@ class ModelRunner:
         for item in batch:
             seq, start = item.seq, item.seq.num_computed_tokens
             pos = range(start, start + item.num_new_tokens)
-            input_ids.extend(seq.token_ids[start : start + item.num_new_tokens])
+            tokens = seq.token_ids + seq.draft_token_ids if seq.draft_token_ids else seq.token_ids
+            input_ids.extend(tokens[start : start + item.num_new_tokens])
             positions.extend(pos)
             table = seq.block_table
             slots.extend(table[p // self.block_size] * self.block_size + p % self.block_size for p in pos)
@@ -105,15 +108,7 @@ class ModelRunner:
         meta.in_step_copies = [item.seq.in_step_copy for item in batch if item.seq.in_step_copy is not None]
         decodes = [s.seq for s in batch if self._is_decode(s)]
         if decodes:
-            ctx = torch.tensor([s.num_computed_tokens + 1 for s in decodes])
-            tables = padded_block_tables([s.block_table for s in decodes])
-            keys = torch.arange(tables.shape[1] * self.block_size)
-            meta.num_decodes = len(decodes)
-            meta.decode_block_tables = tables
-            meta.decode_mask = (keys[None, :] < ctx[:, None])[:, None, None, :]
-            meta.decode_context_lens = ctx
-            ones = torch.ones(len(decodes), dtype=torch.int64)
-            meta.decode_rows = CanonicalRows(tables, torch.arange(len(decodes)), ones, ctx - 1)
+            self._set_decodes(meta, decodes, torch.tensor([s.num_computed_tokens + 1 for s in decodes]))
         row = len(decodes)
         for item in batch[len(decodes) :]:
             seq = item.seq
@@ -127,12 +122,40 @@ class ModelRunner:
             meta.batch_invariant = True
         return meta
 
+    def _set_decodes(self, meta: AttentionMetadata, seqs: list[Sequence], ctx: torch.Tensor) -> None:
+        """The batch's first rows are one token each of `seqs`, attending to ctx[i] tokens."""
+        tables = padded_block_tables([s.block_table for s in seqs])
+        keys = torch.arange(tables.shape[1] * self.block_size)
+        meta.num_decodes = len(seqs)
+        meta.decode_block_tables = tables
+        meta.decode_mask = (keys[None, :] < ctx[:, None])[:, None, None, :]
+        meta.decode_context_lens = ctx
+        ones = torch.ones(len(seqs), dtype=torch.int64)
+        meta.decode_rows = CanonicalRows(tables, torch.arange(len(seqs)), ones, ctx - 1)
+
+    def draft_logits(self, seqs: list[Sequence], tokens: list[int], positions: list[int],
+                     num_layers: int) -> torch.Tensor:
+        """One token per sequence at `positions` through the first num_layers layers and the LM head
+        (self-speculative drafting). Writes those layers' K/V at the positions, which the verifying
+        step writes again; the blocks must be allocated."""
+        bs = self.block_size
+        slots = [seq.block_table[p // bs] * bs + p % bs for seq, p in zip(seqs, positions)]
+        meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.int64))
+        pos = torch.tensor(positions)
+        self._set_decodes(meta, seqs, pos + 1)
+        hidden = self.model.forward(torch.tensor(tokens), pos, meta, num_layers=num_layers)
+        return self.model.compute_logits(hidden)
+
     def _logits(self, batch: list[ScheduledSeq], hidden: torch.Tensor, batch_invariant: bool) -> StepLogits:
-        sample_rows, sample_seqs, prompt_rows = [], [], []
+        sample_rows, sample_seqs, prompt_rows, draft_rows = [], [], [], []
         row = 0
         for item in batch:
             seq, n = item.seq, item.num_new_tokens
             done_after = seq.num_computed_tokens + n
+            if seq.draft_token_ids:
+                draft_rows.append((seq, self.model.compute_logits(hidden[row : row + n])))
+                row += n
+                continue
             if seq.wants_prompt_logprobs and seq.num_computed_tokens < seq.num_prompt_tokens:
                 first = seq.num_computed_tokens
                 last = min(done_after, seq.num_prompt_tokens)
@@ -142,4 +165,4 @@ class ModelRunner:
                 sample_seqs.append(seq)
             row += n
         logits = self.model.compute_logits(hidden[sample_rows], batch_invariant) if sample_rows else hidden.new_empty(0, 0)
-        return StepLogits(sample_seqs, logits, prompt_rows)
+        return StepLogits(sample_seqs, logits, prompt_rows, draft_rows)

@@ -70,10 +70,11 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         plan = _StepPlan(budget=self.config.max_num_batched_tokens)
         # Decodes first, then chunks of prompts already under way.
-        for seq in sorted(self.running, key=lambda s: self._remaining(s) != 1):
+        for seq in sorted(self.running, key=lambda s: self._remaining(s) - len(s.draft_token_ids) != 1):
             if seq.status is not SeqStatus.RUNNING or plan.budget == 0:
                 continue
             n = self._chunk(seq, plan.budget)
+            del seq.draft_token_ids[max(0, n - 1) :]  # the drafts that fit this step's budget
             if n == 0:
                 continue
             while not self.kv.allocate_slots(seq, n):
@@ -153,7 +154,7 @@ class Scheduler:
         return True
 
     def _remaining(self, seq: Sequence) -> int:
-        return seq.num_tokens - seq.num_computed_tokens
+        return seq.num_tokens + len(seq.draft_token_ids) - seq.num_computed_tokens
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
         remaining = self._remaining(seq)
@@ -174,6 +175,7 @@ class Scheduler:
         self.running.remove(victim)
         self.kv.free(victim)
         victim.num_computed_tokens = 0
+        victim.draft_token_ids = []
         victim.status = SeqStatus.WAITING
         victim.num_preemptions += 1
         self.num_preemptions += 1

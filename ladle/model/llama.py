@@ -117,21 +117,23 @@ class LlamaForCausalLM:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                keep: KeptStates | None = None) -> torch.Tensor:
+                keep: KeptStates | None = None, num_layers: int | None = None) -> torch.Tensor:
         """input_ids, positions: [T]. Returns the final normed hidden states [T, hidden]; fills
-        `keep` with the rows and layers it names."""
+        `keep` with the rows and layers it names. num_layers: run only the first ones, then the
+        final norm (an early exit: self-speculative drafting)."""
         inv = meta.batch_invariant
         h = F.embedding(input_ids, self.embed)
         rope = tuple(t.to(h.dtype) for t in self.rotary.tables(positions))  # as transformers rounds them
-        last = len(self.layers)
+        layers = self.layers if num_layers is None else self.layers[:num_layers]
+        last = len(layers)
         if keep is not None:
             keep.keep(0, h)
         eps = self.cfg.rms_norm_eps
         # h, the residual stream, is updated in place; x is the normed input of what comes next
-        x = rms_norm(h, self.layers[0].input_norm if self.layers else self.norm, eps)
-        for i, layer in enumerate(self.layers):
+        x = rms_norm(h, layers[0].input_norm if layers else self.norm, eps)
+        for i, layer in enumerate(layers):
             x = add_rms_norm(h, self._attention(i, layer, x, rope, meta), layer.post_attn_norm, eps)
-            following = self.layers[i + 1].input_norm if i + 1 < last else self.norm
+            following = layers[i + 1].input_norm if i + 1 < last else self.norm
             x = add_rms_norm(h, layer.down(silu_and_mul(layer.gate_up(x, inv)), inv), following, eps)
             if keep is not None and i + 1 < last:
                 keep.keep(i + 1, h)

@@ -17,6 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from ladle.engine.async_engine import AsyncEngine, StepReport
 from ladle.engine.request import Sequence
+from ladle.spec_decode.stats import SpecDecodeStats
 
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
@@ -68,10 +69,28 @@ class EngineStateCollector:
             family = kind(name, doc, labels=["model_name"])
             family.add_metric([self.model_name], value)
             yield family
+        yield from self._spec_decode(s.spec_decode)
         cache = self.engine.cache_config_info
         family = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
                                    labels=["model_name", *cache])
         family.add_metric([self.model_name, *cache.values()], 1.0)
+        yield family
+
+
+    def _spec_decode(self, spec: SpecDecodeStats) -> Iterator[Metric]:
+        """vLLM's speculative decoding counters (zero while speculation is off)."""
+        for name, doc, value in (
+            ("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", spec.num_drafts),
+            ("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", spec.num_draft_tokens),
+            ("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.", spec.num_accepted_tokens),
+        ):
+            family = CounterMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric([self.model_name], value)
+            yield family
+        family = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                     "Accepted tokens per draft position.", labels=["model_name", "position"])
+        for position, value in enumerate(spec.accepted_per_pos):
+            family.add_metric([self.model_name, str(position)], value)
         yield family
 
 
