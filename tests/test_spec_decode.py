@@ -10,6 +10,7 @@ import httpx
 import pytest
 import torch
 from server_utils import MODEL, own_server
+from tiny_models import build_tiny_model
 from conftest import VOCAB, Tiny
 from test_sampling_semantics import P_MIN, chi_square_p, ref_logits
 
@@ -21,6 +22,20 @@ from ladle.spec_decode.ngram import propose
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
 # the embedded model was not trained for early exits: its last layers draft, to keep some drafts
 EARLY_EXIT = {"method": "early_exit", "num_speculative_tokens": 3, "draft_layers": 24}
+METHODS = [NGRAM, EARLY_EXIT, "draft_model"]  # draft_model: a tiny random model sharing the tokenizer
+IDS = ["ngram", "early_exit", "draft_model"]
+
+
+@pytest.fixture(scope="module")
+def tiny_draft(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Path:
+    """A tiny random Llama with the embedded model's tokenizer: its drafts are mostly rejected."""
+    return build_tiny_model("llama", tmp_path_factory.mktemp("draft"), smollm2_dir)
+
+
+def spec_config(method: dict | str, tiny_draft: Path) -> dict:
+    if method == "draft_model":
+        return {"method": "draft_model", "model": str(tiny_draft), "num_speculative_tokens": 3}
+    return method
 QUOTE = ("Repeat this text exactly.\n\nThe quick brown fox jumps over the lazy dog while the cat sleeps on the "
          "warm mat by the door. Every morning the farmer walks to the field, feeds the hens, and checks the "
          "fences before breakfast.\n\nRepeated text:\n")
@@ -51,18 +66,18 @@ def test_the_load_aware_policy_shrinks_then_stops() -> None:
         SpeculativeConfig.parse({"method": "medusa"})
 
 
-@pytest.mark.parametrize("method", [NGRAM, EARLY_EXIT], ids=["ngram", "early_exit"])
+@pytest.mark.parametrize("method", METHODS, ids=IDS)
 @pytest.mark.parametrize("engine_args", [
     {},
     {"max_num_batched_tokens": 32, "long_prefill_token_threshold": 16},  # chunked prefill, drafts cut by budget
     {"num_kv_blocks": 24, "block_size": 8, "max_num_batched_tokens": 64},  # a pool too small: preemption
 ], ids=["plain", "chunked", "preempted"])
-def test_greedy_output_is_unchanged(smollm2_dir: Path, engine_args: dict, method: dict) -> None:
+def test_greedy_output_is_unchanged(smollm2_dir: Path, tiny_draft: Path, engine_args: dict, method) -> None:
     greedy = [SamplingParams(temperature=0.0, max_tokens=48, logprobs=2), SamplingParams(temperature=0.0, max_tokens=40),
               SamplingParams(temperature=0.0, max_tokens=24, stop=["."]), SamplingParams(temperature=0.0, max_tokens=64),
               SamplingParams(temperature=0.0, max_tokens=64)]
     base = LLM(str(smollm2_dir), **engine_args)
-    spec = LLM(str(smollm2_dir), speculative_config=method, **engine_args)
+    spec = LLM(str(smollm2_dir), speculative_config=spec_config(method, tiny_draft), **engine_args)
     want = base.generate(PROMPTS, greedy)
     got = spec.generate(PROMPTS, greedy)
     for w, g in zip(want, got):
@@ -73,28 +88,30 @@ def test_greedy_output_is_unchanged(smollm2_dir: Path, engine_args: dict, method
         assert lg.token_id == lw.token_id and abs(lg.logprob - lw.logprob) < 1e-4
         assert [t for t, _ in lg.top] == [t for t, _ in lw.top]
     stats = spec.engine.stats.spec
-    assert stats.num_accepted_tokens > 20  # drafts really were made and kept
+    assert stats.num_draft_tokens > 100
+    if method != "draft_model":  # the random draft model's drafts are (rightly) rejected
+        assert stats.num_accepted_tokens > 20
     if "num_kv_blocks" in engine_args:
         assert spec.engine.scheduler.num_preemptions > 0
     assert spec.engine.kv.num_free_blocks == spec.engine.kv.num_blocks  # nothing leaked by rejected drafts
 
 
-@pytest.mark.parametrize("method", [NGRAM, EARLY_EXIT], ids=["ngram", "early_exit"])
-def test_seeded_samples_and_n_are_unchanged(smollm2_dir: Path, method: dict) -> None:
+@pytest.mark.parametrize("method", METHODS, ids=IDS)
+def test_seeded_samples_and_n_are_unchanged(smollm2_dir: Path, tiny_draft: Path, method) -> None:
     """One draw per emitted token, in order: a seeded request emits the same tokens with speculation."""
     params = [SamplingParams(temperature=0.8, top_p=0.95, seed=s, max_tokens=40, n=2) for s in range(5)]
     base = outputs(LLM(str(smollm2_dir)), PROMPTS, params)
-    spec_llm = LLM(str(smollm2_dir), speculative_config=method)
+    spec_llm = LLM(str(smollm2_dir), speculative_config=spec_config(method, tiny_draft))
     assert outputs(spec_llm, PROMPTS, params) == base
-    assert spec_llm.engine.stats.spec.num_accepted_tokens > 0
+    assert spec_llm.engine.stats.spec.num_draft_tokens > 0
 
 
-@pytest.mark.parametrize("method", [NGRAM, EARLY_EXIT], ids=["ngram", "early_exit"])
-def test_prefix_cache_holds_only_verified_tokens(smollm2_dir: Path, method: dict) -> None:
-    llm = LLM(str(smollm2_dir), speculative_config=method, block_size=4)
+@pytest.mark.parametrize("method", METHODS, ids=IDS)
+def test_prefix_cache_holds_only_verified_tokens(smollm2_dir: Path, tiny_draft: Path, method) -> None:
+    llm = LLM(str(smollm2_dir), speculative_config=spec_config(method, tiny_draft), block_size=4)
     results = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=48))
     stats = llm.engine.stats.spec
-    assert stats.num_draft_tokens > stats.num_accepted_tokens > 0  # some drafts were rejected
+    assert stats.num_draft_tokens > stats.num_accepted_tokens  # some drafts were rejected
     texts = [r.prompt_token_ids + r.outputs[0].token_ids for r in results]
     cache = llm.engine.kv.cache
     for block_id, node in cache.by_block.items():
@@ -229,3 +246,42 @@ def test_streams_with_logprobs_n_and_stop_strings_are_unchanged(smollm2_dir: Pat
         assert got[:4] == want[:4] and "fox" not in got[3]
         assert got[4] < want[4]  # fewer chunks: steps that kept drafts sent several tokens at once
         assert spec.engine.snapshot().spec_decode.num_accepted_tokens > 0
+
+
+def test_structured_outputs_speculate_under_their_grammar(smollm2_dir: Path) -> None:
+    """Each row is masked by the grammar as advanced over the drafts kept before it; the output is
+    the same as without speculation, and valid."""
+    import json
+
+    import jsonschema
+
+    from ladle.structured.spec import StructuredOutputsParams
+
+    schema = {"type": "object", "properties": {"people": {"type": "array", "minItems": 3, "maxItems": 3, "items": {
+        "type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},
+        "required": ["name", "age"], "additionalProperties": False}}}, "required": ["people"],
+        "additionalProperties": False}
+    prompt = "Three people with their names and ages, as JSON:"
+    grammar = StructuredOutputsParams(json=schema)
+    params = [SamplingParams(temperature=0.0, max_tokens=120, structured_outputs=grammar),
+              SamplingParams(temperature=0.7, seed=3, max_tokens=120, structured_outputs=grammar)]
+    base = LLM(str(smollm2_dir)).generate([prompt, prompt], params)
+    spec = LLM(str(smollm2_dir), speculative_config=NGRAM)
+    got = spec.generate([prompt, prompt], params)
+    for w, g in zip(base, got):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        jsonschema.validate(json.loads(g.outputs[0].text), schema)
+    assert spec.engine.stats.spec.num_accepted_tokens > 10  # the repeated keys were drafted and kept
+
+
+def test_the_model_itself_as_draft_model_keeps_every_draft(smollm2_dir: Path) -> None:
+    """Greedy drafts of the target's own weights are the target's tokens: every one is kept, which
+    only holds if the draft model's cache follows each sequence exactly (kept, rejected, new)."""
+    llm = LLM(str(smollm2_dir), speculative_config={"method": "draft_model", "model": str(smollm2_dir),
+                                                    "num_speculative_tokens": 3})
+    base = LLM(str(smollm2_dir)).generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=40))
+    got = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=40))
+    assert [g.outputs[0].token_ids for g in got] == [b.outputs[0].token_ids for b in base]
+    stats = llm.engine.stats.spec
+    assert stats.num_accepted_tokens >= 0.97 * stats.num_draft_tokens > 0
+    assert llm.engine.drafter.kv.num_free_blocks == llm.engine.drafter.kv.num_blocks  # released at the finish

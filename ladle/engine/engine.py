@@ -31,6 +31,7 @@ from ladle.engine.runner import ModelRunner
 from ladle.engine.sampler import Sampler, token_logprob
 from ladle.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from ladle.spec_decode import early_exit, ngram
+from ladle.spec_decode.draft_model import DraftModel
 from ladle.spec_decode.stats import SpecDecodeStats
 from ladle.spec_decode.verify import verify
 from ladle.structured.grammar import GrammarCompiler
@@ -83,6 +84,9 @@ class LLMEngine:
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids))
         log.info("matmuls: decode on %s, prefill on %s (measured: %s)", self.runner.model.routing.decode,
                  self.runner.model.routing.prefill, self.runner.model.routing.measured)
+        spec = config.speculative_config
+        self.drafter = DraftModel(spec.model, self.model_config.vocab_size, self.dtype.dtype, num_blocks,
+                                  config.block_size) if spec is not None and spec.method == "draft_model" else None
         self.requests: dict[str, list[Sequence]] = {}
         self.stats = EngineStats()
         self._seq_ids = itertools.count()
@@ -213,6 +217,8 @@ class LLMEngine:
             deltas.setdefault(seq.request_id, []).append(self._finish_scoring(seq, logits.sample_logits[i], done_at))
         for seq, emitted in verified:
             deltas.setdefault(seq.request_id, []).append(self._append_verified(seq, emitted, done_at))
+        if self.drafter is not None:  # the draft model's copies of finished or preempted sequences
+            self.drafter.forget_all_but({seq.seq_id for seq in self.scheduler.running})
         self.stats.steps += 1
         self.stats.generation_tokens += len(sampled) + sum(len(emitted) for _, emitted in verified)
         return [self._request_output(rid, d) for rid, d in deltas.items()]
@@ -237,6 +243,10 @@ class LLMEngine:
                 seq.draft_token_ids = ngram.propose(seq.token_ids, room, spec.prompt_lookup_min,
                                                     spec.prompt_lookup_max)
             return
+        if spec.method == "draft_model":
+            for seq, draft in zip(drafting, self.drafter.propose(drafting, rooms)):
+                seq.draft_token_ids = draft
+            return
         # early exit: the drafting layers write K/V at the drafted positions, so those need blocks
         placed = [(seq, room) for seq, room in zip(drafting, rooms) if self.kv.allocate_slots(seq, room + 1)]
         layers = spec.draft_layers or max(1, self.model_config.num_hidden_layers // 4)
@@ -247,10 +257,9 @@ class LLMEngine:
 
     @staticmethod
     def _may_speculate(seq: Sequence) -> bool:
-        """Decoding, and nothing that speculation does not serve yet: grammars (their matcher would
-        need rolling back), canonical numerics (a verification step is not a decode step)."""
-        return (seq.num_computed_tokens == seq.num_tokens - 1 and seq.grammar is None and not seq.canonical
-                and not seq.params.is_scoring)
+        """Decoding, and not canonical (scoring, --deterministic: a verification step is not a decode
+        step, so it would not give a decode step's bits)."""
+        return seq.num_computed_tokens == seq.num_tokens - 1 and not seq.canonical and not seq.params.is_scoring
 
     def _verify_drafts(self, plan, draft_rows: list[tuple[Sequence, torch.Tensor]]) -> list:
         """Decide each drafting sequence's tokens before the scheduler counts them: only the kept

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, fields
 
-METHODS = ("ngram", "early_exit")
+METHODS = ("ngram", "draft_model", "early_exit")
 
 
 @dataclass(frozen=True)
@@ -14,6 +14,7 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 4
     prompt_lookup_min: int = 1  # ngram: the shortest suffix looked up in the context
     prompt_lookup_max: int = 4  # ngram: the longest (tried first)
+    model: str | None = None  # draft_model: a smaller model sharing the tokenizer (folder, GGUF or hub id)
     draft_layers: int | None = None  # early_exit: the first layers that draft (None: a quarter of them)
     # Speculation pays only while the machine has compute to spare: it shrinks as the running batch
     # grows and stops at this many sequences (vLLM's key of the same name).
@@ -26,6 +27,8 @@ class SpeculativeConfig:
             raise ValueError("num_speculative_tokens must be at least 1")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ValueError('"model" names the draft model, and only for method "draft_model"')
         if self.draft_layers is not None and self.draft_layers < 1:
             raise ValueError("draft_layers must be at least 1")
         if self.disable_by_batch_size < 1:

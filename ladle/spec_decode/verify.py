@@ -7,7 +7,9 @@ normalised (p without d), is then exactly: draw the token from the target's p an
 draft while it equals that draw. That is what this does, position by position, with the
 request's own sampler (temperature, top-k/p, penalties seeing the tokens kept so far) and
 generator: every emitted token costs one draw, as without speculation, so a seeded request
-emits the same tokens with or without it.
+emits the same tokens with or without it. A grammar advances over the drafts kept so far, so
+each row is masked as it would be, and is rolled back at the end (the engine then advances it
+over the emitted tokens as over any sampled one).
 """
 
 from __future__ import annotations
@@ -33,8 +35,12 @@ def verify(rows: torch.Tensor, seq: Sequence, drafts: list[int], sample: Sample)
             emitted.append((token, logprob))
             if i == len(drafts) or token != drafts[i]:
                 break
-            seq.token_ids.append(token)  # for now: the next position's penalties count it
+            if seq.grammar is not None and not seq.grammar.accept(token):
+                break  # (only where the mask let everything through) it ends this step as the drawn token
+            seq.token_ids.append(token)  # for now: the next position's penalties and mask count it
             kept += 1
     finally:
         del seq.token_ids[len(seq.token_ids) - kept :]
+        if seq.grammar is not None and kept:
+            seq.grammar.rollback(kept)
     return emitted
