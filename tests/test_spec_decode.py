@@ -284,4 +284,4 @@ def test_the_model_itself_as_draft_model_keeps_every_draft(smollm2_dir: Path) ->
     assert [g.outputs[0].token_ids for g in got] == [b.outputs[0].token_ids for b in base]
     stats = llm.engine.stats.spec
     assert stats.num_accepted_tokens >= 0.97 * stats.num_draft_tokens > 0
-    assert llm.engine.drafter.kv.num_free_blocks == llm.engine.drafter.kv.num_blocks  # released at the finish
+    assert llm.engine.proposer.draft_model.kv.num_free_blocks == llm.engine.proposer.draft_model.kv.num_blocks  # released at the finish

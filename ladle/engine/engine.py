@@ -30,8 +30,7 @@ from ladle.model.loader import holds_quantized_weights, load_weights, resolve_mo
 from ladle.engine.runner import ModelRunner
 from ladle.engine.sampler import Sampler, token_logprob
 from ladle.model.tokenizer import IncrementalDetokenizer, Tokenizer
-from ladle.spec_decode import early_exit, ngram
-from ladle.spec_decode.draft_model import DraftModel
+from ladle.spec_decode.proposer import Proposer
 from ladle.spec_decode.stats import SpecDecodeStats
 from ladle.spec_decode.verify import verify
 from ladle.structured.grammar import GrammarCompiler
@@ -84,9 +83,9 @@ class LLMEngine:
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids))
         log.info("matmuls: decode on %s, prefill on %s (measured: %s)", self.runner.model.routing.decode,
                  self.runner.model.routing.prefill, self.runner.model.routing.measured)
-        spec = config.speculative_config
-        self.drafter = DraftModel(spec.model, self.model_config.vocab_size, self.dtype.dtype, num_blocks,
-                                  config.block_size) if spec is not None and spec.method == "draft_model" else None
+        spec, c = config.speculative_config, self.model_config
+        self.proposer = Proposer(spec, self.runner, self.kv, c.num_hidden_layers, c.vocab_size, self.dtype.dtype,
+                                 num_blocks, config.block_size) if spec is not None else None
         self.requests: dict[str, list[Sequence]] = {}
         self.stats = EngineStats()
         self._seq_ids = itertools.count()
@@ -217,8 +216,8 @@ class LLMEngine:
             deltas.setdefault(seq.request_id, []).append(self._finish_scoring(seq, logits.sample_logits[i], done_at))
         for seq, emitted in verified:
             deltas.setdefault(seq.request_id, []).append(self._append_verified(seq, emitted, done_at))
-        if self.drafter is not None:  # the draft model's copies of finished or preempted sequences
-            self.drafter.forget_all_but({seq.seq_id for seq in self.scheduler.running})
+        if self.proposer is not None:
+            self.proposer.keep_only(self.scheduler.running)
         self.stats.steps += 1
         self.stats.generation_tokens += len(sampled) + sum(len(emitted) for _, emitted in verified)
         return [self._request_output(rid, d) for rid, d in deltas.items()]
@@ -226,10 +225,9 @@ class LLMEngine:
     # -- speculative decoding (ladle.spec_decode) --------------------------------
 
     def _propose_drafts(self) -> None:
-        spec = self.config.speculative_config
-        if spec is None:
+        if self.proposer is None:
             return
-        k = spec.tokens_at(len(self.scheduler.running))
+        k = self.config.speculative_config.tokens_at(len(self.scheduler.running))
         drafting, rooms = [], []
         for seq in self.scheduler.running:
             seq.draft_token_ids = []
@@ -238,21 +236,7 @@ class LLMEngine:
             if room > 0 and self._may_speculate(seq):
                 drafting.append(seq)
                 rooms.append(room)
-        if spec.method == "ngram":
-            for seq, room in zip(drafting, rooms):
-                seq.draft_token_ids = ngram.propose(seq.token_ids, room, spec.prompt_lookup_min,
-                                                    spec.prompt_lookup_max)
-            return
-        if spec.method == "draft_model":
-            for seq, draft in zip(drafting, self.drafter.propose(drafting, rooms)):
-                seq.draft_token_ids = draft
-            return
-        # early exit: the drafting layers write K/V at the drafted positions, so those need blocks
-        placed = [(seq, room) for seq, room in zip(drafting, rooms) if self.kv.allocate_slots(seq, room + 1)]
-        layers = spec.draft_layers or max(1, self.model_config.num_hidden_layers // 4)
-        drafts = early_exit.propose(self.runner, [s for s, _ in placed], [r for _, r in placed],
-                                    min(layers, self.model_config.num_hidden_layers))
-        for (seq, _), draft in zip(placed, drafts):
+        for seq, draft in zip(drafting, self.proposer.propose(drafting, rooms)):
             seq.draft_token_ids = draft
 
     @staticmethod
