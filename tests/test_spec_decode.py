@@ -19,9 +19,10 @@ from ladle.config import EngineConfig
 from ladle.spec_decode.config import SpeculativeConfig
 from ladle.spec_decode.ngram import propose
 
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
+# speculation on for batches of any size here (by default it stops at 4 sequences)
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "disable_by_batch_size": 64}
 # the embedded model was not trained for early exits: its last layers draft, to keep some drafts
-EARLY_EXIT = {"method": "early_exit", "num_speculative_tokens": 3, "draft_layers": 24}
+EARLY_EXIT = {"method": "early_exit", "num_speculative_tokens": 3, "draft_layers": 24, "disable_by_batch_size": 64}
 METHODS = [NGRAM, EARLY_EXIT, "draft_model"]  # draft_model: a tiny random model sharing the tokenizer
 IDS = ["ngram", "early_exit", "draft_model"]
 
@@ -34,7 +35,8 @@ def tiny_draft(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> P
 
 def spec_config(method: dict | str, tiny_draft: Path) -> dict:
     if method == "draft_model":
-        return {"method": "draft_model", "model": str(tiny_draft), "num_speculative_tokens": 3}
+        return {"method": "draft_model", "model": str(tiny_draft), "num_speculative_tokens": 3,
+                "disable_by_batch_size": 64}
     return method
 QUOTE = ("Repeat this text exactly.\n\nThe quick brown fox jumps over the lazy dog while the cat sleeps on the "
          "warm mat by the door. Every morning the farmer walks to the field, feeds the hens, and checks the "
@@ -278,7 +280,7 @@ def test_the_model_itself_as_draft_model_keeps_every_draft(smollm2_dir: Path) ->
     """Greedy drafts of the target's own weights are the target's tokens: every one is kept, which
     only holds if the draft model's cache follows each sequence exactly (kept, rejected, new)."""
     llm = LLM(str(smollm2_dir), speculative_config={"method": "draft_model", "model": str(smollm2_dir),
-                                                    "num_speculative_tokens": 3})
+                                                    "num_speculative_tokens": 3, "disable_by_batch_size": 64})
     base = LLM(str(smollm2_dir)).generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=40))
     got = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=40))
     assert [g.outputs[0].token_ids for g in got] == [b.outputs[0].token_ids for b in base]

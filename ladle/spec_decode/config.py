@@ -17,8 +17,10 @@ class SpeculativeConfig:
     model: str | None = None  # draft_model: a smaller model sharing the tokenizer (folder, GGUF or hub id)
     draft_layers: int | None = None  # early_exit: the first layers that draft (None: a quarter of them)
     # Speculation pays only while the machine has compute to spare: it shrinks as the running batch
-    # grows and stops at this many sequences (vLLM's key of the same name).
-    disable_by_batch_size: int = 8
+    # grows and stops at this many sequences (vLLM's key of the same name). 4: on 2 CPU cores a
+    # verification step of 4 sequences already costs more than its kept drafts save
+    # (benchmarks/speculative.py).
+    disable_by_batch_size: int = 4
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
