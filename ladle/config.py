@@ -105,8 +105,9 @@ def add_engine_arguments(parser) -> None:
                         "float weights also quantised at load to int8 with a scale per output row")
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, as vLLM takes it: \'{"method": "ngram", "num_speculative_tokens": 4, '
-                        '"prompt_lookup_max": 4}\' (also prompt_lookup_min, disable_by_batch_size); '
-                        "lossless: greedy output is unchanged")
+                        '"prompt_lookup_max": 4}\'; also "draft_model" with "model": PATH, "early_exit" with '
+                        '"draft_layers", and prompt_lookup_min, disable_by_batch_size (default 4); lossless: '
+                        "greedy and seeded output unchanged")
 
 
 def engine_config_from_args(args) -> EngineConfig:
