@@ -254,13 +254,17 @@ class LLMEngine:
         verified = []
         for seq, rows in draft_rows:
             drafts, seq.draft_token_ids = seq.draft_token_ids, []
-            emitted = verify(rows, seq, drafts, self.sampler.sample_one)
+            emitted = verify(rows, seq, drafts, self._sample_row)
             kept = len(emitted) - 1
             items[seq.seq_id].num_new_tokens = 1 + kept
             seq.token_ids.extend(token for token, _ in emitted[:kept])  # so their blocks cache as they are
             self.stats.spec.record(len(drafts), kept)
             verified.append((seq, emitted))
         return verified
+
+    def _sample_row(self, row: torch.Tensor, seq: Sequence) -> tuple[int, TokenLogprob | None]:
+        """One verification row through the sampler, as a batch of one (grammar mask, logprobs)."""
+        return self.sampler(row[None], [seq])[0]
 
     def _append_verified(self, seq: Sequence, emitted: list, now: float) -> CompletionDelta:
         """The kept drafts and the drawn token, through the same checks as any sampled token (stop

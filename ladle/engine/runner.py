@@ -54,8 +54,7 @@ class ModelRunner:
         for item in batch:
             seq, start = item.seq, item.seq.num_computed_tokens
             pos = range(start, start + item.num_new_tokens)
-            tokens = seq.token_ids + seq.draft_token_ids if seq.draft_token_ids else seq.token_ids
-            input_ids.extend(tokens[start : start + item.num_new_tokens])
+            input_ids.extend((seq.token_ids[start:] + seq.draft_token_ids)[: item.num_new_tokens])
             positions.extend(pos)
             table = seq.block_table
             slots.extend(table[p // self.block_size] * self.block_size + p % self.block_size for p in pos)

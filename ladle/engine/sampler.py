@@ -47,18 +47,6 @@ class Sampler:
             results.append((token, lp))
         return results
 
-    @torch.inference_mode()
-    def sample_one(self, logits: torch.Tensor, seq: Sequence) -> tuple[int, TokenLogprob | None]:
-        """One row on its own (speculative verification: row by row, as tokens are kept), under the
-        sequence's grammar where it has one."""
-        if seq.grammar is not None:
-            logits = logits.float()[None].clone()
-            apply_grammar_masks(logits, [0], [seq.grammar])
-            logits = logits[0]
-        token = self._sample_row(logits, seq)
-        k = seq.params.logprobs
-        return token, (token_logprob(torch.log_softmax(logits.float(), dim=-1), token, k) if k is not None else None)
-
     def _sample_row(self, x: torch.Tensor, seq: Sequence) -> int:
         p = seq.params
         if p.needs_penalties or seq.num_output_tokens < p.min_tokens:

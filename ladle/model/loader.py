@@ -42,16 +42,17 @@ def cache_dir() -> Path:
 def gguf_cache_path(gguf_path: Path) -> Path:
     """Where the converted folder for `gguf_path` lives; a changed file gets a new folder. Keyed by
     content, not modification time: each reinstall of the same file (a fresh venv) reuses it."""
-    return cache_dir() / f"{gguf_path.stem}-{gguf_path.stat().st_size}-{_fingerprint(gguf_path)}-v{CONVERTER_VERSION}"
+    size = gguf_path.stat().st_size
+    return cache_dir() / f"{gguf_path.stem}-{size}-{_fingerprint(gguf_path, size)}-v{CONVERTER_VERSION}"
 
 
-def _fingerprint(path: Path, span: int = 8 * 2**20) -> str:
+def _fingerprint(path: Path, size: int, span: int = 8 * 2**20) -> str:
     """A digest of the file's first and last `span` bytes (header, metadata, tensor data at both ends):
     quick for a many-GB file, and a re-quantised or re-exported file changes it."""
     digest = hashlib.blake2b(digest_size=8)
     with path.open("rb") as f:
         digest.update(f.read(span))
-        f.seek(max(0, path.stat().st_size - span))
+        f.seek(max(0, size - span))
         digest.update(f.read(span))
     return digest.hexdigest()
 

@@ -2,8 +2,9 @@
 
 A request becomes a chat request (instructions, the previous response's conversation, this input),
 is checked, rendered and run exactly as /v1/chat/completions runs one (function tools included), and
-its reply becomes output items: a message, and a function_call item per call. Responses made with `store` (the default) are kept in a bounded LRU so a
-later request can continue them with `previous_response_id`.
+its reply becomes output items: a message, and a function_call item per call. Responses made with
+`store` (the default) are kept in a bounded LRU so a later request can continue them with
+`previous_response_id`.
 """
 
 from __future__ import annotations

@@ -49,25 +49,27 @@ class InputMessage(_Closed):
         return "\n".join(texts)
 
 
-class FunctionCallInput(_Closed):
+class _CallItem(_Closed):
+    """An input item about one function call (`call_id`); `id` and `status` as a reply carried them."""
+
+    call_id: str
+    id: str | None = None
+    status: str | None = None
+
+
+class FunctionCallInput(_CallItem):
     """An earlier reply's function call, passed back as input."""
 
     type: Literal["function_call"]
-    call_id: str
     name: str
     arguments: str
-    id: str | None = None
-    status: str | None = None
 
 
-class FunctionCallOutput(_Closed):
+class FunctionCallOutput(_CallItem):
     """The result of a call, for the model's next turn."""
 
     type: Literal["function_call_output"]
-    call_id: str
     output: str
-    id: str | None = None
-    status: str | None = None
 
 
 class FunctionTool(_Closed):
