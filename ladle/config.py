@@ -38,6 +38,12 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"  # auto follows the compute dtype; int8 / fp8: 8 bits and a scale per token and head
     quantization: str = "auto"  # auto | none | int8: how linear weights are held (ladle.model.quantization)
     speculative_config: SpeculativeConfig | None = None  # speculative decoding (ladle.spec_decode); None: off
+    # multi-LoRA (ladle.lora): adapters by name=path, batched with the base model
+    enable_lora: bool = False
+    lora_modules: dict[str, str] = field(default_factory=dict)  # name -> PEFT folder, loaded at start
+    max_loras: int = 1  # adapters resident for compute: at most this many in one step
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None  # adapters kept in memory (least recently used paged out); None: max_loras
 
     def __post_init__(self) -> None:
         if isinstance(self.speculative_config, (dict, str)):  # LLM(speculative_config={...}), as vLLM takes it
@@ -53,6 +59,14 @@ class EngineConfig:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, not {self.quantization!r}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.block_size < 1:
             raise ValueError("max_num_seqs, max_num_batched_tokens and block_size must be positive")
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("lora_modules (--lora-modules) needs enable_lora (--enable-lora)")
+        if self.max_loras < 1 or self.max_lora_rank < 1:
+            raise ValueError("max_loras and max_lora_rank must be positive")
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = self.max_loras
+        elif self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})")
         if self.max_num_batched_tokens < self.block_size:
             # canonical (scoring) chunks end on block boundaries: a smaller budget never reaches one
             raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
@@ -109,6 +123,38 @@ def add_engine_arguments(parser) -> None:
                         '"draft_layers", and prompt_lookup_min, disable_by_batch_size (default 4); lossless: '
                         "greedy and seeded output unchanged")
 
+    g = parser.add_argument_group("LoRA adapters")
+    g.add_argument("--enable-lora", action="store_true",
+                   help="serve LoRA adapters (PEFT folders) over the base model, batched together; a request "
+                        "names one in `model`")
+    g.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                   help="adapters to serve from the start (more at run time: POST /v1/load_lora_adapter)")
+    g.add_argument("--max-loras", type=int, default=EngineConfig.max_loras,
+                   help="adapters resident for compute at once: one step never mixes more; requests on "
+                        "another adapter wait for a slot")
+    g.add_argument("--max-lora-rank", type=int, default=EngineConfig.max_lora_rank,
+                   help="the largest adapter rank accepted (slots are sized for it)")
+    g.add_argument("--max-cpu-loras", type=int, default=None,
+                   help="adapters kept loaded in memory (default: --max-loras); the least recently used beyond "
+                        "it are read from disk again when needed")
+
+
+def lora_modules(specs: list[str]) -> dict[str, str]:
+    """NAME=PATH specs (vLLM also takes JSON objects with name and path) -> {name: path}."""
+    import json
+
+    out = {}
+    for spec in specs:
+        if spec.lstrip().startswith("{"):
+            obj = json.loads(spec)
+            name, path = obj.get("name"), obj.get("path")
+        else:
+            name, _, path = spec.partition("=")
+        if not name or not path:
+            raise ValueError(f"--lora-modules takes NAME=PATH, not {spec!r}")
+        out[name.strip()] = path.strip()
+    return out
+
 
 def engine_config_from_args(args) -> EngineConfig:
     return EngineConfig(
@@ -122,4 +168,6 @@ def engine_config_from_args(args) -> EngineConfig:
         deterministic=args.deterministic, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
         quantization=args.quantization,
         speculative_config=SpeculativeConfig.parse(args.speculative_config) if args.speculative_config else None,
+        enable_lora=args.enable_lora, lora_modules=lora_modules(args.lora_modules), max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
     )

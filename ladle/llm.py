@@ -15,6 +15,15 @@ Prompt = str | list[int]
 Messages = list[dict[str, Any]]
 
 
+@dataclass(frozen=True)
+class LoRARequest:
+    """An adapter to run prompts on, as vLLM names it: loaded from lora_path on first use."""
+
+    lora_name: str
+    lora_int_id: int = 0  # vLLM's; ladle keys adapters by name
+    lora_path: str | None = None
+
+
 @dataclass
 class Completion:
     index: int
@@ -58,15 +67,18 @@ class LLM:
         self._ids = itertools.count()
 
     def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[GenerationResult]:
-        """Run all prompts through the engine together; results come back in input order."""
+                 use_tqdm: bool = False,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[GenerationResult]:
+        """Run all prompts through the engine together; results come back in input order.
+        lora_request: one adapter for every prompt, or one (or None: the base) per prompt."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params_list = params if isinstance(params, Sequence) else [params or SamplingParams()] * len(prompts)
+        loras = lora_request if isinstance(lora_request, Sequence) else [lora_request] * len(prompts)
         results: dict[str, GenerationResult] = {}
-        for prompt, p in zip(prompts, params_list, strict=True):
+        for prompt, p, lora in zip(prompts, params_list, loras, strict=True):
             rid = str(next(self._ids))
-            ids = self.engine.add_request(rid, prompt, p)
+            ids = self.engine.add_request(rid, prompt, p, lora=self._adapter_name(lora))
             results[rid] = GenerationResult(rid, ids, [Completion(i) for i in range(p.n)])
         bar = _progress(len(results)) if use_tqdm else None
         while self.engine.has_unfinished_requests():
@@ -77,6 +89,14 @@ class LLM:
         if bar is not None:
             bar.close()
         return list(results.values())
+
+    def _adapter_name(self, lora: LoRARequest | None) -> str | None:
+        if lora is None:
+            return None
+        known = {ref.name: ref for ref in self.engine.list_loras()}
+        if lora.lora_name not in known and lora.lora_path is not None:
+            self.engine.add_lora(lora.lora_name, lora.lora_path)
+        return lora.lora_name
 
     def chat(self, messages: Messages | Sequence[Messages], params: SamplingParams | None = None,
              use_tqdm: bool = False, **template_kwargs: Any) -> list[GenerationResult]:

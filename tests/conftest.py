@@ -129,3 +129,13 @@ def tiny(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Tiny:
 
     folder = build_tiny_model("llama", tmp_path_factory.mktemp("tiny64"), smollm2_dir, vocab_size=VOCAB)
     return folder, AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64).eval()
+
+
+@pytest.fixture(scope="session")
+def lora_adapters(hf_smollm2, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Random LoRA adapters over the default model, saved by peft (tests/lora_adapters.py), by name."""
+    from lora_adapters import ADAPTERS, build_adapter
+
+    base, _ = hf_smollm2
+    root = tmp_path_factory.mktemp("adapters")
+    return {name: build_adapter(base, root / name, seed, **args) for seed, (name, args) in enumerate(ADAPTERS.items())}

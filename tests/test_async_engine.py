@@ -42,7 +42,7 @@ class ScriptedEngine:
     def cache_config_info(self) -> dict[str, str]:
         return {"num_gpu_blocks": "8"}
 
-    def add_request(self, request_id, prompt, params, priority=0, arrival_time=None):
+    def add_request(self, request_id, prompt, params, priority=0, arrival_time=None, lora=None):
         self.threads.add(threading.get_ident())
         if not prompt:
             raise InvalidRequestError("the prompt is empty", param="prompt")

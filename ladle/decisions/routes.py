@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Awaitable
 from typing import Any
@@ -13,7 +14,9 @@ from pydantic import BaseModel
 from ladle.decisions import openai_dialect, reference, score, systemone
 from ladle.decisions.examples import DECISION_EXAMPLES, SCORE_EXAMPLES, SYSTEMONE_EXAMPLES
 from ladle.decisions.protocol import DecisionsRequest, DecisionsResponse, ScoreRequest, ScoreResponse, parse
-from ladle.server.context import get_context
+from ladle.decisions.extensions import Extensions
+from ladle.engine.async_engine import AdapterEngine, AsyncEngine
+from ladle.server.context import ServedModel, ServerContext, get_context
 from ladle.server.errors import APIError
 from ladle.server.openai_routes import json_response
 from ladle.server.openapi import schemas
@@ -35,6 +38,16 @@ def is_openai_dialect(data: Any) -> bool:
     return isinstance(questions, list) and any(isinstance(q, dict) and "instructions" in q for q in questions)
 
 
+def _on(ctx: ServerContext, model: ServedModel) -> tuple[AsyncEngine | AdapterEngine, str]:
+    """(engine, name) a decision is answered with: an adapter's decisions run on that adapter."""
+    return ctx.engine.with_lora(model.lora), model.name
+
+
+def _extensions(ctx: ServerContext, model: ServedModel) -> Extensions:
+    """The calibrations and heads, checked against the model the request names (base or adapter)."""
+    return dataclasses.replace(ctx.decision_extensions, model_name=model.name)
+
+
 async def _answer(request: Request, work: Awaitable[BaseModel]) -> Response:
     try:
         return json_response(await unless_disconnected(request, work))
@@ -50,19 +63,19 @@ async def decisions(request: Request) -> Response:
     raw = await request.body()
     if is_openai_dialect(_json(raw)):
         oreq = parse(openai_dialect.OpenAIDecisionRequest, raw)
-        ctx.check_model(oreq.model)
-        return await _answer(request, openai_dialect.handle(ctx.engine, ctx.model_name, oreq, ctx.decision_extensions))
+        model = ctx.check_model(oreq.model, status=400)
+        return await _answer(request, openai_dialect.handle(*_on(ctx, model), oreq, _extensions(ctx, model)))
     req = parse(DecisionsRequest, raw)
-    ctx.check_model(req.model)
-    return await _answer(request, reference.handle(ctx.engine, ctx.model_name, req, ctx.decision_extensions))
+    model = ctx.check_model(req.model, status=400)
+    return await _answer(request, reference.handle(*_on(ctx, model), req, _extensions(ctx, model)))
 
 
 @router.post("/v1/score", openapi_extra=schemas(ScoreRequest, ScoreResponse, examples=SCORE_EXAMPLES))
 async def score_route(request: Request) -> Response:
     ctx = get_context(request)
     req = parse(ScoreRequest, await request.body())
-    ctx.check_model(req.model)
-    return await _answer(request, score.handle(ctx.engine, ctx.model_name, req))
+    model = ctx.check_model(req.model, status=400)
+    return await _answer(request, score.handle(*_on(ctx, model), req))
 
 
 @router.post("/v1/systemone", openapi_extra=schemas(systemone.SystemOneRequest, systemone.SystemOneResponse,
@@ -72,5 +85,5 @@ async def systemone_route(request: Request) -> Response:
     raw = await request.body()
     systemone.refuse_decisions_fields(_json(raw))
     req = parse(systemone.SystemOneRequest, raw)
-    ctx.check_model(req.model)
-    return await _answer(request, systemone.handle(ctx.engine, ctx.model_name, req, ctx.decision_extensions))
+    model = ctx.check_model(req.model, status=400)
+    return await _answer(request, systemone.handle(*_on(ctx, model), req, _extensions(ctx, model)))

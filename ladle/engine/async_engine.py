@@ -20,6 +20,7 @@ from ladle.engine.engine import LLMEngine
 from ladle.engine.request import Sequence, StepOutput
 from ladle.engine.sampling_params import SamplingParams
 from ladle.engine.threads import claim_compute, release_openmp_team
+from ladle.lora.adapter import AdapterRef
 from ladle.spec_decode.stats import SpecDecodeStats
 
 log = logging.getLogger("ladle")
@@ -52,6 +53,9 @@ class EngineSnapshot:
     prefix_cache_evictions: int = 0  # blocks evicted from the prefix cache
     num_cached_blocks: int = 0  # blocks in the prefix cache, referenced or not
     spec_decode: SpecDecodeStats = field(default_factory=SpecDecodeStats)  # speculative decoding's totals
+    running_loras: tuple[str, ...] = ()  # adapters of running sequences (sorted names)
+    waiting_loras: tuple[str, ...] = ()  # adapters of waiting sequences
+    taken_at: float = 0.0  # time.time() of the snapshot
 
 
 @dataclass(frozen=True)
@@ -118,6 +122,7 @@ class _Add:
     stream: RequestStream
     accepted: asyncio.Future
     arrival_time: float
+    lora: str | None = None
 
 
 @dataclass
@@ -206,8 +211,9 @@ class AsyncEngine:
     # -- requests (event loop side) -------------------------------------------
 
     async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                          priority: int = 0) -> RequestStream:
-        """Submit a request and wait until the engine has accepted it.
+                          priority: int = 0, lora: str | None = None) -> RequestStream:
+        """Submit a request (on the LoRA adapter named `lora`, if given) and wait until the engine
+        has accepted it.
 
         Raises what LLMEngine.add_request raises (InvalidRequestError for a bad request)
         before anything is streamed, EngineStoppedError, or QueueFullError (at once, without
@@ -219,7 +225,7 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         stream = RequestStream(request_id, self, loop)
         accepted = loop.create_future()
-        self._submit(_Add(request_id, prompt, params, priority, stream, accepted, time.time()))
+        self._submit(_Add(request_id, prompt, params, priority, stream, accepted, time.time(), lora))
         try:
             stream.prompt_token_ids = await accepted
         except asyncio.CancelledError:
@@ -228,18 +234,38 @@ class AsyncEngine:
         return stream
 
     async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                       priority: int = 0) -> AsyncIterator[StepOutput]:
+                       priority: int = 0, lora: str | None = None) -> AsyncIterator[StepOutput]:
         """Outputs of one request; leaving the loop early (or being cancelled) aborts it.
 
         After a `break` the abort runs when the generator is closed: wrap it in
         `contextlib.aclosing` to close it at once rather than when it is collected.
         """
-        stream = await self.add_request(request_id, prompt, params, priority)
+        stream = await self.add_request(request_id, prompt, params, priority, lora)
         try:
             async for out in stream:
                 yield out
         finally:
             stream.abort()
+
+    # -- LoRA adapters (the registry is thread-safe: no trip through the engine thread) ----
+
+    @property
+    def lora_enabled(self) -> bool:
+        return self.engine.loras is not None
+
+    async def add_lora(self, name: str, path: str) -> AdapterRef:
+        """Load and serve an adapter (its folder is read off the event loop); raises AdapterError."""
+        return await asyncio.to_thread(self.engine.add_lora, name, path)
+
+    def remove_lora(self, name: str) -> bool:
+        return self.engine.remove_lora(name)
+
+    def list_loras(self) -> list[AdapterRef]:
+        return self.engine.list_loras()
+
+    def with_lora(self, lora: str | None) -> AsyncEngine | AdapterEngine:
+        """This engine, with every request it takes run on adapter `lora` (None: the base model)."""
+        return self if lora is None else AdapterEngine(self, lora)
 
     def abort(self, request_id: str) -> None:
         """Abort from any thread; the blocks are free once the engine thread has drained its queue."""
@@ -325,7 +351,7 @@ class AsyncEngine:
                 continue
             try:
                 ids = self.engine.add_request(op.request_id, op.prompt, op.params, op.priority,
-                                              arrival_time=op.arrival_time)
+                                              arrival_time=op.arrival_time, lora=op.lora)
             except Exception as e:
                 _resolve(op.stream._loop, op.accepted, error=e)
                 continue
@@ -368,6 +394,8 @@ class AsyncEngine:
             prefix_cache_queries=e.kv.stats.queries, prefix_cache_hits=e.kv.stats.hits,
             prefix_cache_evictions=e.kv.stats.evictions, num_cached_blocks=e.kv.num_cached_blocks,
             spec_decode=replace(e.stats.spec, accepted_per_pos=list(e.stats.spec.accepted_per_pos)),
+            running_loras=_adapter_names(e.scheduler.running), waiting_loras=_adapter_names(e.scheduler.waiting),
+            taken_at=time.time(),
         )
 
     def _notify(self, report: StepReport) -> None:
@@ -376,6 +404,30 @@ class AsyncEngine:
                 listener(report)
             except Exception:
                 log.exception("step listener failed")
+
+
+class AdapterEngine:
+    """An AsyncEngine whose requests all run on one adapter, for code written against AsyncEngine
+    (decisions, scoring) that should not thread an adapter through every call."""
+
+    def __init__(self, engine: AsyncEngine, lora: str):
+        self._engine, self.lora = engine, lora
+
+    async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                          priority: int = 0) -> RequestStream:
+        return await self._engine.add_request(request_id, prompt, params, priority, self.lora)
+
+    async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                       priority: int = 0) -> AsyncIterator[StepOutput]:
+        async for out in self._engine.generate(request_id, prompt, params, priority, self.lora):
+            yield out
+
+    def __getattr__(self, name: str):  # everything else is the engine's own
+        return getattr(self._engine, name)
+
+
+def _adapter_names(seqs: list[Sequence]) -> tuple[str, ...]:
+    return tuple(sorted({s.lora.name for s in seqs if s.lora is not None}))
 
 
 def _put_all(items: list[tuple[RequestStream, StepOutput]]) -> None:

@@ -20,6 +20,9 @@ from ladle.engine.scheduler import Scheduler
 from ladle.engine.stop import OutputTextTracker
 from ladle.engine.threads import claim_compute
 from ladle.errors import InvalidRequestError
+from ladle.lora.adapter import AdapterError, AdapterRef
+from ladle.lora.registry import LoRARegistry
+from ladle.lora.slots import LoRASlots
 from ladle.model import kernels
 from ladle.model.attention import KVCache
 from ladle.model.config import ModelConfig
@@ -80,6 +83,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model_config, load_weights(folder, self.dtype.dtype), num_blocks,
                                   config.block_size, self.kv_dtype, config.quantization)
         self.sampler = Sampler(config.seed)
+        self.loras = self._start_lora() if config.enable_lora else None
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids))
         log.info("matmuls: decode on %s, prefill on %s (measured: %s)", self.runner.model.routing.decode,
                  self.runner.model.routing.prefill, self.runner.model.routing.measured)
@@ -89,6 +93,43 @@ class LLMEngine:
         self.requests: dict[str, list[Sequence]] = {}
         self.stats = EngineStats()
         self._seq_ids = itertools.count()
+
+    def _start_lora(self) -> LoRARegistry:
+        c = self.config
+        registry = LoRARegistry(self.model_config, c.max_lora_rank, c.max_cpu_loras)
+        for name, path in c.lora_modules.items():
+            try:
+                registry.add(name, path)
+            except AdapterError as e:
+                raise ValueError(f"--lora-modules {name}={path}: {e}") from None
+        self.runner.enable_lora(LoRASlots(self.model_config, c.max_loras, c.max_lora_rank, self.dtype.dtype),
+                                registry.weights)
+        log.info("LoRA: %d adapter(s) loaded, %d slot(s) of rank up to %d, %d kept in memory",
+                 len(c.lora_modules), c.max_loras, c.max_lora_rank, c.max_cpu_loras)
+        return registry
+
+    def add_lora(self, name: str, path: str) -> AdapterRef:
+        """Serve another adapter (thread-safe: it reads the folder on the calling thread); raises
+        AdapterError for a folder it cannot serve, RuntimeError without enable_lora."""
+        if self.loras is None:
+            raise RuntimeError("LoRA is not enabled (enable_lora / --enable-lora)")
+        return self.loras.add(name, path)
+
+    def remove_lora(self, name: str) -> bool:
+        """Stop serving an adapter to new requests (those accepted finish on it); False if unknown."""
+        return self.loras is not None and self.loras.remove(name) is not None
+
+    def list_loras(self) -> list[AdapterRef]:
+        return [] if self.loras is None else self.loras.refs()
+
+    def _adapter(self, name: str | None) -> AdapterRef | None:
+        if name is None:
+            return None
+        ref = None if self.loras is None else self.loras.get(name)
+        if ref is None:
+            raise InvalidRequestError(f"no LoRA adapter named {name!r} is loaded", param="model",
+                                      code="model_not_found")
+        return ref
 
     def runtime_info(self) -> dict[str, str]:
         """How this engine computes on this machine, and why (the start log and /version)."""
@@ -121,10 +162,12 @@ class LLMEngine:
     # -- requests -------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    priority: int = 0, arrival_time: float | None = None) -> list[int]:
-        """Queue a request; returns its prompt token ids. Raises InvalidRequestError."""
+                    priority: int = 0, arrival_time: float | None = None, lora: str | None = None) -> list[int]:
+        """Queue a request, on the LoRA adapter named `lora` if given; returns its prompt token ids.
+        Raises InvalidRequestError."""
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already running", param="request_id")
+        adapter = self._adapter(lora)
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self._check_prompt(ids, params)
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(ids)
@@ -132,7 +175,7 @@ class LLMEngine:
             params = replace(params, max_tokens=max_tokens)
         arrival = time.time() if arrival_time is None else arrival_time
         grammar = self.grammars.compile(params.structured_outputs) if params.structured_outputs else None
-        seqs = [self._new_sequence(request_id, i, ids, params, priority, arrival) for i in range(params.n)]
+        seqs = [self._new_sequence(request_id, i, ids, params, priority, arrival, adapter) for i in range(params.n)]
         for seq in seqs if grammar is not None else ():
             seq.grammar = GrammarState(grammar)
         self.requests[request_id] = seqs
@@ -166,12 +209,12 @@ class LLMEngine:
                 param="max_tokens" if len(ids) < limit else "prompt", code="context_length_exceeded")
 
     def _new_sequence(self, request_id: str, index: int, ids: list[int], params: SamplingParams,
-                      priority: int, arrival: float) -> Sequence:
+                      priority: int, arrival: float, lora: AdapterRef | None = None) -> Sequence:
         gen = None if params.seed is None else torch.Generator().manual_seed(params.seed + index)
         seq = Sequence(seq_id=next(self._seq_ids), request_id=request_id, index=index, token_ids=list(ids),
                        num_prompt_tokens=len(ids), params=params, arrival_time=arrival, priority=priority,
                        eos_token_ids=self.eos_token_ids, generator=gen,
-                       canonical=self.config.deterministic or params.is_scoring)
+                       canonical=self.config.deterministic or params.is_scoring, lora=lora)
         detok = IncrementalDetokenizer(self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens)
         seq.text = OutputTextTracker(detok, params.stop)
         return seq

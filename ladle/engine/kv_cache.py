@@ -92,7 +92,8 @@ class KVCacheManager:
         """Tokens of seq a lookup would find now (read-only; for longest-prefix-match)."""
         if self.cache is None:
             return 0
-        path = self.cache.match(seq.token_ids, self._max_match_blocks(seq), canonical_only=seq.canonical)
+        path = self.cache.match(seq.token_ids, self._max_match_blocks(seq), canonical_only=seq.canonical,
+                                namespace=seq.adapter_id)
         return len(path) * self.block_size
 
     def _max_match_blocks(self, seq: Sequence) -> int:
@@ -113,7 +114,8 @@ class KVCacheManager:
         assert not seq.block_table and seq.num_computed_tokens == 0
         if not self.reuses_prefix(seq):
             return 0
-        path = self.cache.match(seq.token_ids, self._max_match_blocks(seq), canonical_only=seq.canonical)
+        path = self.cache.match(seq.token_ids, self._max_match_blocks(seq), canonical_only=seq.canonical,
+                                namespace=seq.adapter_id)
         for node in path:
             self._ref(node.block_id)
         seq.block_table = [node.block_id for node in path]
@@ -127,7 +129,8 @@ class KVCacheManager:
         K/V into a fresh block (the runner does the copy) instead of recomputing them."""
         start = seq.num_computed_tokens
         limit = min(start + self.block_size, self.reusable_tokens(seq))
-        source, shared = self.cache.partial_match(parent, seq.token_ids[start:limit], canonical_only=seq.canonical)
+        source, shared = self.cache.partial_match(parent, seq.token_ids[start:limit], canonical_only=seq.canonical,
+                                                  namespace=seq.adapter_id)
         if source is None or self.num_free_blocks <= 1:  # keep the source from being evicted for it
             return
         self._ref(source.block_id)  # pin the source while a block is taken for the copy
@@ -177,7 +180,7 @@ class KVCacheManager:
             if k and parent is None:  # our parent block was replaced by a canonical one: we stay private
                 return
             key = tuple(seq.token_ids[k * bs : (k + 1) * bs])
-            node = self.cache.insert(parent, key, seq.block_table[k], seq.canonical)
+            node = self.cache.insert(parent, key, seq.block_table[k], seq.canonical, seq.adapter_id)
             if node.block_id != seq.block_table[k]:  # someone cached the same tokens first
                 if seq.canonical and not node.canonical:
                     self._replace_with_canonical(node, seq.block_table[k])

@@ -10,6 +10,9 @@ A node is canonical when a canonical sequence (scoring, --deterministic) compute
 block. Canonical sequences match canonical nodes only, so what they compute never
 depends on K/V that batched generation computed; a canonical block computed later for a
 non-canonical node's tokens takes the node over.
+
+Each LoRA adapter has a tree of its own (a namespace: 0 for the base model), since the same
+tokens give other K/V under another adapter.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ class Node:
 class RadixCache:
     def __init__(self, block_size: int):
         self.block_size = block_size
-        self.root = Node(key=(), block_id=-1, parent=None)
+        self.roots: dict[int, Node] = {}  # namespace -> its tree's root
         self.by_block: dict[int, Node] = {}
         self.evictable: OrderedDict[int, Node] = OrderedDict()  # unreferenced leaves, oldest first
 
@@ -43,9 +46,15 @@ class RadixCache:
         bs = self.block_size
         return [tuple(tokens[i * bs : (i + 1) * bs]) for i in range(max_blocks)]
 
-    def match(self, tokens: list[int], max_blocks: int, canonical_only: bool = False) -> list[Node]:
+    def root(self, namespace: int = 0) -> Node:
+        node = self.roots.get(namespace)
+        if node is None:
+            node = self.roots[namespace] = Node(key=(), block_id=-1, parent=None)
+        return node
+
+    def match(self, tokens: list[int], max_blocks: int, canonical_only: bool = False, namespace: int = 0) -> list[Node]:
         """Longest cached path for tokens, at most max_blocks deep (read-only)."""
-        path, node = [], self.root
+        path, node = [], self.root(namespace)
         for key in self._keys(tokens, max_blocks):
             node = node.children.get(key)
             if node is None or (canonical_only and not node.canonical):
@@ -54,10 +63,11 @@ class RadixCache:
         return path
 
     def partial_match(self, parent: Node | None, tokens: list[int] | tuple[int, ...],
-                      canonical_only: bool = False) -> tuple[Node | None, int]:
-        """The child of parent whose block starts with the most of `tokens`: (node, count)."""
+                      canonical_only: bool = False, namespace: int = 0) -> tuple[Node | None, int]:
+        """The child of parent (None: the namespace's root) whose block starts with the most of
+        `tokens`: (node, count)."""
         best, best_len = None, 0
-        for key, child in (parent or self.root).children.items():
+        for key, child in (parent or self.root(namespace)).children.items():
             if canonical_only and not child.canonical:
                 continue
             n = 0
@@ -69,10 +79,11 @@ class RadixCache:
                 best, best_len = child, n
         return best, best_len
 
-    def insert(self, parent: Node | None, key: Key, block_id: int, canonical: bool = False) -> Node:
-        """Add block_id under parent (None: the root). If that block content is already
+    def insert(self, parent: Node | None, key: Key, block_id: int, canonical: bool = False,
+               namespace: int = 0) -> Node:
+        """Add block_id under parent (None: the namespace's root). If that block content is already
         cached, the existing node is returned and block_id stays private."""
-        parent = parent or self.root
+        parent = parent or self.root(namespace)
         existing = parent.children.get(key)
         if existing is not None:
             return existing
@@ -112,6 +123,6 @@ class RadixCache:
         del self.by_block[block_id]
         parent = node.parent
         del parent.children[node.key]
-        if parent is not self.root and not parent.children and is_unreferenced(parent.block_id):
+        if parent.parent is not None and not parent.children and is_unreferenced(parent.block_id):
             self.evictable[parent.block_id] = parent
         return block_id

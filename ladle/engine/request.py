@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     import torch
 
     from ladle.engine.stop import OutputTextTracker
+    from ladle.lora.adapter import AdapterRef
     from ladle.structured.matcher import GrammarState
 
 
@@ -51,6 +52,7 @@ class Sequence:
     # cache state (scoring always; every sequence under --deterministic). Such a sequence
     # only reuses cached blocks that were computed canonically too.
     canonical: bool = False
+    lora: "AdapterRef | None" = None  # the LoRA adapter it runs on; its KV is cached apart from others'
     status: SeqStatus = SeqStatus.WAITING
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache on first admission
@@ -96,6 +98,11 @@ class Sequence:
     @property
     def prompt_token_ids(self) -> list[int]:
         return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def adapter_id(self) -> int:
+        """Its adapter's id, 0 for the base model: the prefix cache's namespace."""
+        return 0 if self.lora is None else self.lora.id
 
     @property
     def is_finished(self) -> bool:

@@ -7,12 +7,15 @@ allocates or frees blocks: the scheduler did that.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from ladle.engine.request import Sequence
 from ladle.engine.scheduler import ScheduledSeq
+from ladle.lora.adapter import AdapterRef, AdapterWeights
+from ladle.lora.slots import LoRABatch, LoRASlots
 from ladle.model.attention import (
     AttentionMetadata, CanonicalRows, KVCache, PrefillSpan, TorchPagedAttention, padded_block_tables,
 )
@@ -40,6 +43,22 @@ class ModelRunner:
                                 dtype=kv_dtype)
         backend = TorchPagedAttention(self.kv_cache, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
         self.model = LlamaForCausalLM(cfg, weights, backend, quantization)
+        self.lora_slots: LoRASlots | None = None
+        self._lora_weights: Callable[[AdapterRef], AdapterWeights] | None = None
+
+    def enable_lora(self, slots: LoRASlots, weights_of: Callable[[AdapterRef], AdapterWeights]) -> None:
+        """Serve adapters from these slots, reading an adapter's weights with weights_of when it needs one."""
+        self.lora_slots, self._lora_weights = slots, weights_of
+
+    def _lora_batch(self, rows: list[tuple[Sequence, int]]) -> LoRABatch | None:
+        """The adapters of (sequence, row count) in batch order, put into slots."""
+        if self.lora_slots is None or all(seq.lora is None for seq, _ in rows):
+            return None
+        slot_of = self.lora_slots.assign([seq.lora for seq, _ in rows if seq.lora is not None], self._lora_weights)
+        row_slots = []
+        for seq, n in rows:
+            row_slots += [-1 if seq.lora is None else slot_of[seq.lora.id]] * n
+        return self.lora_slots.batch(row_slots)
 
     def _is_decode(self, item: ScheduledSeq) -> bool:
         return item.num_new_tokens == 1 and not item.seq.canonical
@@ -60,7 +79,8 @@ class ModelRunner:
             slots.extend(table[p // self.block_size] * self.block_size + p % self.block_size for p in pos)
         meta = self._metadata(batch, torch.tensor(slots, dtype=torch.int64))
         keep, owners = self._kept_states(batch)
-        hidden = self.model.forward(torch.tensor(input_ids), torch.tensor(positions), meta, keep)
+        lora = self._lora_batch([(item.seq, item.num_new_tokens) for item in batch])
+        hidden = self.model.forward(torch.tensor(input_ids), torch.tensor(positions), meta, keep, lora=lora)
         for item in batch:
             item.seq.in_step_copy = None
         if keep is not None:
@@ -142,7 +162,8 @@ class ModelRunner:
         meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.int64))
         pos = torch.tensor(positions)
         self._set_decodes(meta, seqs, pos + 1)
-        hidden = self.model.forward(torch.tensor(tokens), pos, meta, num_layers=num_layers)
+        lora = self._lora_batch([(seq, 1) for seq in seqs])
+        hidden = self.model.forward(torch.tensor(tokens), pos, meta, num_layers=num_layers, lora=lora)
         return self.model.compute_logits(hidden)
 
     def _logits(self, batch: list[ScheduledSeq], hidden: torch.Tensor, batch_invariant: bool) -> StepLogits:

@@ -91,8 +91,12 @@ class Scheduler:
 
     def _admit(self, plan: _StepPlan) -> None:
         self._order_waiting()
+        no_slot: list[Sequence] = []  # their adapter would be one too many: they wait, the rest go on
         while self.waiting and plan.budget > 0:
             seq = self.waiting[0]
+            if not self._adapter_fits(seq):
+                no_slot.append(self.waiting.pop(0))
+                continue
             if len(self.running) >= self.config.max_num_seqs:
                 if self._preempt_for(seq, plan):
                     continue
@@ -112,6 +116,15 @@ class Scheduler:
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             plan.add(seq, n)
+        self.waiting[:0] = no_slot
+
+    def _adapter_fits(self, seq: Sequence) -> bool:
+        """Whether running seq keeps the running sequences within --max-loras distinct adapters
+        (so no step holds more)."""
+        if seq.lora is None:
+            return True
+        running = {s.lora.id for s in self.running if s.lora is not None}
+        return seq.lora.id in running or len(running) < self.config.max_loras
 
     def _share_in_flight(self, seq: Sequence, plan: _StepPlan, hit: int) -> int:
         """Start seq further on when a sequence this step computes shares more of its prompt
@@ -122,7 +135,7 @@ class Scheduler:
         best, best_len = None, hit
         for item in plan.planned.values():
             src = item.seq
-            if seq.canonical and not src.canonical:
+            if (seq.canonical and not src.canonical) or src.adapter_id != seq.adapter_id:
                 continue
             end = min(src.num_computed_tokens + item.num_new_tokens, self.kv.reusable_tokens(seq))
             if not self.kv.cache_outputs:  # generated tokens' K/V may not match a prompt's

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +21,9 @@ from ladle.model.config import ModelConfig
 from ladle.model.kernels.routing import MatmulRouting, choose_routing, forced_routing
 from ladle.model.layers import Linear, RotaryEmbedding, add_rms_norm, apply_rotary, rms_norm, silu_and_mul
 from ladle.model.quantization import GroupedWeight, cat_weights, choose_prefill_route, make_linear
+
+if TYPE_CHECKING:
+    from ladle.lora.slots import LoRABatch
 
 
 @dataclass
@@ -117,10 +121,12 @@ class LlamaForCausalLM:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                keep: KeptStates | None = None, num_layers: int | None = None) -> torch.Tensor:
+                keep: KeptStates | None = None, num_layers: int | None = None,
+                lora: LoRABatch | None = None) -> torch.Tensor:
         """input_ids, positions: [T]. Returns the final normed hidden states [T, hidden]; fills
         `keep` with the rows and layers it names. num_layers: run only the first ones, then the
-        final norm (an early exit: self-speculative drafting)."""
+        final norm (an early exit: self-speculative drafting). lora: each row's adapter term is
+        added to the projections' outputs (ladle.lora)."""
         inv = meta.batch_invariant
         h = F.embedding(input_ids, self.embed)
         rope = tuple(t.to(h.dtype) for t in self.rotary.tables(positions))  # as transformers rounds them
@@ -132,9 +138,9 @@ class LlamaForCausalLM:
         # h, the residual stream, is updated in place; x is the normed input of what comes next
         x = rms_norm(h, layers[0].input_norm if layers else self.norm, eps)
         for i, layer in enumerate(layers):
-            x = add_rms_norm(h, self._attention(i, layer, x, rope, meta), layer.post_attn_norm, eps)
+            x = add_rms_norm(h, self._attention(i, layer, x, rope, meta, lora), layer.post_attn_norm, eps)
             following = layers[i + 1].input_norm if i + 1 < last else self.norm
-            x = add_rms_norm(h, layer.down(silu_and_mul(layer.gate_up(x, inv)), inv), following, eps)
+            x = add_rms_norm(h, self._mlp(i, layer, x, inv, lora), following, eps)
             if keep is not None and i + 1 < last:
                 keep.keep(i + 1, h)
         out = x
@@ -142,12 +148,25 @@ class LlamaForCausalLM:
             keep.keep(last, out)
         return out
 
+    @staticmethod
+    def _mlp(i: int, layer: DecoderLayerWeights, x: torch.Tensor, inv: bool, lora: LoRABatch | None) -> torch.Tensor:
+        gate_up = layer.gate_up(x, inv)
+        if lora is not None:
+            lora.add(i, "gate_up", x, gate_up)
+        act = silu_and_mul(gate_up)
+        down = layer.down(act, inv)
+        if lora is not None:
+            lora.add(i, "down", act, down)
+        return down
+
     def _attention(self, i: int, layer: DecoderLayerWeights, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                   meta: AttentionMetadata) -> torch.Tensor:
+                   meta: AttentionMetadata, lora: LoRABatch | None = None) -> torch.Tensor:
         cfg = self.cfg
         t = x.shape[0]
         heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         qkv = layer.qkv(x, meta.batch_invariant)
+        if lora is not None:
+            lora.add(i, "qkv", x, qkv)
         v = qkv[:, self.q_size + self.kv_size :].view(t, kv_heads, cfg.head_dim)
         if layer.q_norm is None:  # q and k side by side: rotate them in one go
             qk = apply_rotary(qkv[:, : self.q_size + self.kv_size].view(t, heads + kv_heads, cfg.head_dim), *rope)
@@ -159,7 +178,10 @@ class LlamaForCausalLM:
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         self.attention.write_kv(i, k, v, meta)
         o = self.attention.attend(i, q, k, v, meta)
-        return layer.o_proj(o, meta.batch_invariant)
+        out = layer.o_proj(o, meta.batch_invariant)
+        if lora is not None:
+            lora.add(i, "o_proj", o, out)
+        return out
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor, batch_invariant: bool = False) -> torch.Tensor:

@@ -22,6 +22,14 @@ from ladle.server.response_store import DEFAULT_MAX_STORED_RESPONSES, ResponseSt
 DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
 
 
+@dataclass(frozen=True)
+class ServedModel:
+    """What a request's `model` names: the base model's served name, or one of its LoRA adapters."""
+
+    name: str  # as responses echo it
+    lora: str | None = None  # the adapter the engine runs the request on; None: the base model
+
+
 @dataclass
 class ServerContext:
     engine: AsyncEngine
@@ -52,12 +60,18 @@ class ServerContext:
             raise APIError(400, f"{param} is {requested}, more than this server returns ({self.max_logprobs}: "
                            "its --max-logprobs)", param=param)
 
-    def check_model(self, model: str | None) -> None:
-        """Requests may omit the model (as vLLM allows) or must name the one served.
-        An unknown model is a bad parameter: 400 naming `model`, as ladle's API promises."""
-        if model is not None and model != self.model_name:
-            raise APIError(400, f"The model `{model}` does not exist (this server serves `{self.model_name}`).",
-                           param="model", code="model_not_found")
+    def check_model(self, model: str | None, status: int = 404) -> ServedModel:
+        """The model a request names: omitted (as vLLM allows) or the served name is the base model,
+        an adapter's name that adapter. Anything else is refused naming `model`: 404 as OpenAI and
+        vLLM answer, 400 on the decisions routes (their contract makes every refusal a 400)."""
+        if model is None or model == self.model_name:
+            return ServedModel(self.model_name)
+        adapters = [ref.name for ref in self.engine.list_loras()]
+        if model in adapters:
+            return ServedModel(model, model)
+        served = ", ".join(f"`{name}`" for name in [self.model_name, *adapters])
+        raise APIError(status, f"The model `{model}` does not exist (this server serves {served}).",
+                       param="model", code="model_not_found")
 
 
 def get_context(request: Request) -> ServerContext:

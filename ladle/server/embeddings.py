@@ -89,7 +89,7 @@ def encode_vector(values: list[float], normalize: bool, encoding: str) -> list[f
 async def embeddings(request: Request) -> Response:
     ctx = get_context(request)
     req = await parse_body(request, EmbeddingRequest)
-    ctx.check_model(req.model)
+    model = ctx.check_model(req.model)
     if req.dimensions is not None:
         raise InvalidRequestError("dimensions is not supported: ladle's embeddings are the model's hidden size",
                                   param="dimensions")
@@ -103,8 +103,8 @@ async def embeddings(request: Request) -> Response:
     if any(req.pooling_start >= len(ids) for ids in prompts):
         raise InvalidRequestError("pooling_start must be below every input's token count", param="pooling_start")
     jobs = [scoring.ScoreJob(ids, None, [layer], req.pooling, req.pooling_start) for ids in prompts]
-    results = await scoring.score(ctx.engine, jobs)
+    results = await scoring.score(ctx.engine.with_lora(model.lora), jobs)
     data = [Embedding(index=i, embedding=encode_vector(r.hidden_states[layer], req.normalize, req.encoding_format))
             for i, r in enumerate(results)]
     usage = Usage.of(sum(r.num_prompt_tokens for r in results), 0, sum(r.num_cached_tokens for r in results))
-    return json_response(EmbeddingResponse(data=data, model=ctx.model_name, usage=usage))
+    return json_response(EmbeddingResponse(data=data, model=model.name, usage=usage))

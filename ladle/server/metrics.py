@@ -70,12 +70,22 @@ class EngineStateCollector:
             family.add_metric([self.model_name], value)
             yield family
         yield from self._spec_decode(s.spec_decode)
+        if self.engine.lora_enabled:
+            yield self._lora_info(s)
         cache = self.engine.cache_config_info
         family = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
                                    labels=["model_name", *cache])
         family.add_metric([self.model_name, *cache.values()], 1.0)
         yield family
 
+
+    def _lora_info(self, s) -> Metric:
+        """vLLM's: the adapters running and waiting as labels, the time they were read as the value."""
+        family = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on lora requests.",
+                                   labels=["model_name", "max_lora", "waiting_lora_adapters", "running_lora_adapters"])
+        family.add_metric([self.model_name, str(self.engine.engine.config.max_loras), ",".join(s.waiting_loras),
+                           ",".join(s.running_loras)], s.taken_at)
+        return family
 
     def _spec_decode(self, spec: SpecDecodeStats) -> Iterator[Metric]:
         """vLLM's speculative decoding counters (zero while speculation is off)."""

@@ -93,9 +93,9 @@ def _sampling_params(ctx: ServerContext, req: ChatCompletionRequest | Completion
 
 
 async def _submit(ctx: ServerContext, request_id: str, prompt: list[int], params: SamplingParams, priority: int,
-                  renames: dict[str, str]) -> RequestStream:
+                  renames: dict[str, str], lora: str | None) -> RequestStream:
     try:
-        return await ctx.engine.add_request(request_id, prompt, params, priority)
+        return await ctx.engine.add_request(request_id, prompt, params, priority, lora)
     except InvalidRequestError as e:
         raise _renamed(e, renames) from None
 
@@ -108,24 +108,26 @@ class ChatInputs:
     prompt_ids: list[int]
     params: SamplingParams
     tools: ToolPlan | None
+    lora: str | None  # the adapter `model` names
 
 
 def prepare_chat(ctx: ServerContext, req: ChatCompletionRequest) -> ChatInputs:
     """A chat request checked and rendered (with the server's chat template); 400s name its fields.
     /v1/chat/completions and /v1/responses both come through here."""
-    ctx.check_model(req.model)
+    model = ctx.check_model(req.model)
     req.check_supported()
     ctx.check_logprobs(req.top_logprobs, "top_logprobs")
     tools = tool_plan_of(req, ctx.tool_call_parser)
     params = _sampling_params(ctx, req, tools)
     prompt = chat_prompt(ctx.chat_tokenizer, req.messages, req.add_generation_prompt,
                          req.continue_final_message, req.chat_template_kwargs, tools.tools if tools else None)
-    return ChatInputs(ctx.engine.tokenizer.encode(prompt), params, tools)
+    return ChatInputs(ctx.engine.tokenizer.encode(prompt), params, tools, model.lora)
 
 
 async def submit_chat(ctx: ServerContext, request: Request, request_id: str, req: ChatCompletionRequest,
                       inputs: ChatInputs) -> RequestStream:
-    stream = await _submit(ctx, request_id, inputs.prompt_ids, inputs.params, req.priority, _renames(req))
+    stream = await _submit(ctx, request_id, inputs.prompt_ids, inputs.params, req.priority, _renames(req),
+                           inputs.lora)
     record = request_record(request)
     record.request_id, record.prompt_tokens = request_id, len(inputs.prompt_ids)
     return stream
@@ -153,7 +155,7 @@ async def chat_completions(request: Request) -> Response:
         choices.append(ChatChoice(index=c.index, message=message, finish_reason=finish_reason, stop_reason=c.stop_reason,
                                   logprobs=chat_logprobs(ctx.names, c.logprobs) if req.logprobs else None))
     usage = Usage.of(len(ids), sum(len(c.token_ids) for c in result.outputs), cached)
-    body = ChatCompletionResponse(id=request_id, model=ctx.model_name, choices=choices, usage=usage)
+    body = ChatCompletionResponse(id=request_id, model=req.model or ctx.model_name, choices=choices, usage=usage)
     return json_response(body)
 
 
@@ -168,7 +170,7 @@ async def _chat_events(ctx: ServerContext, req: ChatCompletionRequest, stream: R
     def event(choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
         if usage is None and req.continuous_usage:  # vLLM: the usage of the chunk's choice so far
             usage = _running_usage(num_prompt_tokens, generated.get(choices[0].index, 0))
-        chunk = ChatCompletionChunk(id=stream.request_id, created=created, model=ctx.model_name,
+        chunk = ChatCompletionChunk(id=stream.request_id, created=created, model=req.model or ctx.model_name,
                                     choices=choices, usage=usage)
         return sse_event(chunk, exclude)
 
@@ -210,7 +212,7 @@ async def _chat_events(ctx: ServerContext, req: ChatCompletionRequest, stream: R
 async def completions(request: Request) -> Response:
     ctx = get_context(request)
     req = await parse_body(request, CompletionRequest)
-    ctx.check_model(req.model)
+    model = ctx.check_model(req.model)
     req.check_supported()
     ctx.check_logprobs(req.logprobs, "logprobs")
     params = _sampling_params(ctx, req)
@@ -224,7 +226,7 @@ async def completions(request: Request) -> Response:
         for i, ids in enumerate(prompt_ids):
             rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
             streams.append(await _submit(ctx, rid, ids, params, req.priority,
-                                         {"prompt": f"prompt[{i}]"} if len(prompts) > 1 else {}))
+                                         {"prompt": f"prompt[{i}]"} if len(prompts) > 1 else {}, model.lora))
     except BaseException:
         abort_all(streams)
         raise
@@ -256,7 +258,7 @@ async def completions(request: Request) -> Response:
                                             finish_reason=c.finish_reason, stop_reason=c.stop_reason))
     record.output_tokens = completion_tokens
     usage = Usage.of(sum(len(ids) for ids in prompt_ids), completion_tokens, cached)
-    body = CompletionResponse(id=request_id, model=ctx.model_name, choices=choices, usage=usage)
+    body = CompletionResponse(id=request_id, model=req.model or ctx.model_name, choices=choices, usage=usage)
     return json_response(body)
 
 
@@ -311,12 +313,12 @@ async def _completion_events(ctx: ServerContext, req: CompletionRequest, request
                 # vLLM: the usage of this choice's prompt and of its completion so far
                 usage = (_running_usage(len(streams[i].prompt_token_ids), generated[index])
                          if req.continuous_usage else None)
-                yield sse_event(CompletionResponse(id=request_id, created=created, model=ctx.model_name,
+                yield sse_event(CompletionResponse(id=request_id, created=created, model=req.model or ctx.model_name,
                                                    choices=[choice], usage=usage), exclude)
         if req.include_usage:
             usage = Usage.of(sum(len(s.prompt_token_ids) for s in streams), sum(generated.values()),
                              sum(cached.values()))
-            yield sse_event(CompletionResponse(id=request_id, created=created, model=ctx.model_name, choices=[],
+            yield sse_event(CompletionResponse(id=request_id, created=created, model=req.model or ctx.model_name, choices=[],
                                                usage=usage))
     except Exception as e:
         yield sse_error(e)

@@ -196,7 +196,7 @@ async def create_response(request: Request) -> Response:
     with _named_as_sent():
         inputs = prepare_chat(ctx, chat_req)
         stream = await submit_chat(ctx, request, turn_id, chat_req, inputs)
-    turn = Turn(req, ctx.model_name, inputs.tools, conversation, inputs.params.temperature, inputs.params.top_p,
+    turn = Turn(req, req.model or ctx.model_name, inputs.tools, conversation, inputs.params.temperature, inputs.params.top_p,
                 turn_id, openai_id("msg"), int(time.time()))
     if req.stream:
         return sse_response(_events(ctx, turn, stream, request_record(request)))

@@ -23,21 +23,23 @@ from ladle.server.protocol import (
 router = APIRouter()
 
 
-def _card(ctx: ServerContext) -> ModelCard:
-    return ModelCard(id=ctx.model_name, created=ctx.created, root=ctx.model_root,
-                     max_model_len=ctx.engine.max_model_len)
+def _cards(ctx: ServerContext) -> list[ModelCard]:
+    """The base model, then its LoRA adapters (parent: the base)."""
+    base = ModelCard(id=ctx.model_name, created=ctx.created, root=ctx.model_root, max_model_len=ctx.engine.max_model_len)
+    return [base, *(ModelCard(id=ref.name, created=ctx.created, root=str(ref.path), parent=ctx.model_name,
+                              max_model_len=ctx.engine.max_model_len) for ref in ctx.engine.list_loras())]
 
 
 @router.get("/v1/models", openapi_extra=schemas(response=ModelList))
 async def list_models(request: Request) -> Response:
-    return json_response(ModelList(data=[_card(get_context(request))]))
+    return json_response(ModelList(data=_cards(get_context(request))))
 
 
 @router.get("/v1/models/{model:path}", openapi_extra=schemas(response=ModelCard))
 async def retrieve_model(model: str, request: Request) -> Response:
     ctx = get_context(request)
-    ctx.check_model(model)
-    return json_response(_card(ctx))
+    name = ctx.check_model(model).name
+    return json_response(next(card for card in _cards(ctx) if card.id == name))
 
 
 @router.post("/tokenize", openapi_extra=schemas(TokenizeRequest, TokenizeResponse, examples={

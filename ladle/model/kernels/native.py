@@ -74,6 +74,9 @@ class NativeKernels:
         self._widen_dot_panels = lib.ladle_widen_dot_panels
         self._widen_dot_panels.argtypes = [ptr, ptr, i64, i64, i64, ptr, i64, ctypes.c_int]
         self._widen_dot_panels.restype = None
+        self._lora_add = lib.ladle_lora_add
+        self._lora_add.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr] + [i64] * 6 + [ctypes.c_int]
+        self._lora_add.restype = ctypes.c_int
         lib.ladle_isa.restype = ctypes.c_char_p
         self.isa: str = lib.ladle_isa().decode()
 
@@ -198,6 +201,54 @@ class NativeKernels:
         self._widen_dot_panels(packed.data_ptr(), scales.data_ptr(), k, first_panel, first_panel + panels,
                                out.data_ptr(), out.stride(0), torch.get_num_threads())
         return out
+
+    def lora_add(self, x: torch.Tensor, y: torch.Tensor, slots: torch.Tensor, a: torch.Tensor, bt: torch.Tensor,
+                 ranks: torch.Tensor, cols: torch.Tensor) -> None:
+        """Batched multi-LoRA, in place (lora.cpp): for each row t with slots[t] = s >= 0 and each part p,
+        y[t, cols[p]:cols[p + 1]] += (a[s, p*R : p*R + n] @ x[t]) @ bt[s, p*R : p*R + n, cols[p]:cols[p + 1]]
+        with n = ranks[s, p]; rows of slot -1 are left as they are. x [T, in] float32 (rows may be
+        strided), y [T, out] float32 contiguous, slots int32 [T] in -1..S-1, a [S, P*R, in] and bt
+        [S, P*R, out] (B transposed, scaling folded in) float32 contiguous, ranks int32 [S, P] in 0..R,
+        cols int64 [P + 1] nondecreasing within 0..out. A row's bits never depend on the other rows,
+        its place in the batch or the thread count. Bad operands raise ValueError, y untouched."""
+        # Every LoRA projection of every decode step comes here: checks that cost no tensor ops.
+        # The values (slots against S, ranks against R, cols against out) are checked by the
+        # kernel before it writes anything.
+        f32 = torch.float32
+        if not (x.dtype == f32 and y.dtype == f32 and a.dtype == f32 and bt.dtype == f32
+                and slots.dtype == torch.int32 and ranks.dtype == torch.int32 and cols.dtype == torch.int64):
+            raise ValueError(f"lora_add takes float32 x, y, a, bt, int32 slots, ranks and int64 cols, not "
+                             f"{x.dtype}, {y.dtype}, {a.dtype}, {bt.dtype}, {slots.dtype}, {ranks.dtype}, {cols.dtype}")
+        if not (x.is_cpu and y.is_cpu and slots.is_cpu and a.is_cpu and bt.is_cpu and ranks.is_cpu and cols.is_cpu):
+            raise ValueError("lora_add takes CPU tensors")
+        if not (x.ndim == 2 and y.ndim == 2 and slots.ndim == 1 and a.ndim == 3 and bt.ndim == 3 and ranks.ndim == 2
+                and cols.ndim == 1):
+            raise ValueError("lora_add takes x [T, in], y [T, out], slots [T], a [S, P*R, in], bt [S, P*R, out], "
+                             "ranks [S, P] and cols [P + 1]")
+        rows, k = x.shape
+        out = y.shape[1]
+        num_slots, parts = ranks.shape
+        if (y.shape[0] != rows or slots.shape[0] != rows or a.shape[0] != num_slots or a.shape[2] != k
+                or bt.shape[:2] != a.shape[:2] or bt.shape[2] != out or cols.shape[0] != parts + 1
+                or parts == 0 or a.shape[1] % parts):
+            raise ValueError(f"lora_add: shapes do not agree: x {tuple(x.shape)}, y {tuple(y.shape)}, slots "
+                             f"{tuple(slots.shape)}, a {tuple(a.shape)}, bt {tuple(bt.shape)}, ranks "
+                             f"{tuple(ranks.shape)}, cols {tuple(cols.shape)}")
+        if not ((x.stride(1) == 1 or k <= 1) and (x.stride(0) >= k or rows <= 1) and y.is_contiguous()
+                and slots.is_contiguous() and a.is_contiguous() and bt.is_contiguous() and ranks.is_contiguous()
+                and cols.is_contiguous()):
+            raise ValueError("lora_add: x's rows must be contiguous, and y, slots, a, bt, ranks and cols contiguous")
+        rank = a.shape[1] // parts
+        status = self._lora_add(x.data_ptr(), x.stride(0), y.data_ptr(), slots.data_ptr(), a.data_ptr(),
+                                bt.data_ptr(), ranks.data_ptr(), cols.data_ptr(), rows, k, out, num_slots, parts, rank,
+                                torch.get_num_threads())
+        if status == -1:
+            raise ValueError(f"lora_add: slots must lie in -1..{num_slots - 1}, not {slots.min().item()}.."
+                             f"{slots.max().item()}")
+        if status == -2:
+            raise ValueError(f"lora_add: ranks must lie in 0..{rank}, not {ranks.min().item()}..{ranks.max().item()}")
+        if status:
+            raise ValueError(f"lora_add: cols must rise (or stay) within 0..{out}, not {cols.tolist()}")
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x[M, in] @ weight[out, in]^T (+ bias), each weight row read once for all M rows."""
