@@ -18,6 +18,7 @@ import torch
 from lora_adapters import ADAPTERS, build_adapter, peft_model
 
 from ladle import LLM, LoRARequest, SamplingParams
+from ladle.errors import InvalidRequestError
 from ladle.lora.adapter import AdapterError, load_adapter
 from ladle.model.loader import default_gguf_path
 
@@ -193,3 +194,19 @@ def test_scaling_follows_rslora_and_alpha_pattern(adapters, llm: LLM) -> None:
     assert torch.allclose(mixed.modules[(3, "v_proj")][1], v * (32 / 16))  # alpha_pattern
     assert mixed.modules[(3, "down_proj")][0].shape[0] == 4  # rank_pattern
     assert (25, "q_proj") not in mixed.modules  # layers_to_transform
+
+
+def test_an_adapter_whose_folder_went_while_paged_out_is_refused_not_fatal(adapters, references,
+                                                                          tmp_path: Path) -> None:
+    folders = {name: _copy(adapters[name], tmp_path / name) for name in ("attn", "mlp")}
+    llm = _llm(folders, max_loras=1, max_cpu_loras=1)  # registering mlp paged attn out
+    shutil.rmtree(folders["attn"])
+    with pytest.raises(InvalidRequestError, match="'attn' could not be paged in again"):
+        llm.engine.add_request("gone", PROMPTS[0], GREEDY, lora="attn")
+    assert not llm.engine.has_unfinished_requests()
+    llm.engine.add_request("kept", PROMPTS[0], GREEDY, lora="mlp")  # pinned while it runs
+    shutil.rmtree(folders["mlp"])
+    tokens = []
+    while llm.engine.has_unfinished_requests():
+        tokens += [t for out in llm.engine.step() for d in out.deltas for t in d.token_ids]
+    assert tokens == references["mlp"][0]

@@ -122,6 +122,14 @@ class LLMEngine:
     def list_loras(self) -> list[AdapterRef]:
         return [] if self.loras is None else self.loras.refs()
 
+    def _pin(self, adapter: AdapterRef) -> None:
+        """Keep the adapter's weights in memory while the request runs (read again if paged out), so
+        no step ever waits on its folder or fails for want of it."""
+        try:
+            self.loras.pin(adapter)
+        except AdapterError as e:
+            raise InvalidRequestError(str(e), param="model") from None
+
     def _adapter(self, name: str | None) -> AdapterRef | None:
         if name is None:
             return None
@@ -178,6 +186,8 @@ class LLMEngine:
         seqs = [self._new_sequence(request_id, i, ids, params, priority, arrival, adapter) for i in range(params.n)]
         for seq in seqs if grammar is not None else ():
             seq.grammar = GrammarState(grammar)
+        if adapter is not None:
+            self._pin(adapter)
         self.requests[request_id] = seqs
         self.stats.prompt_tokens += len(ids) * params.n
         for seq in seqs:
@@ -226,6 +236,8 @@ class LLMEngine:
             if not seq.is_finished:
                 seq.finish_reason = "abort"
                 self.scheduler.finish(seq)
+        if seqs and seqs[0].lora is not None:
+            self.loras.unpin(seqs[0].lora)
         return seqs is not None
 
     def has_unfinished_requests(self) -> bool:
@@ -390,9 +402,11 @@ class LLMEngine:
     def _request_output(self, request_id: str, deltas: list[CompletionDelta]) -> StepOutput:
         seqs = self.requests[request_id]
         finished = all(s.is_finished for s in seqs)
+        first = seqs[0]
         if finished:
             del self.requests[request_id]
-        first = seqs[0]
+            if first.lora is not None:
+                self.loras.unpin(first.lora)
         prompt_logprobs = None
         if first.params.prompt_logprobs is not None and not first.prompt_logprobs_sent:
             prompt_logprobs, first.prompt_logprobs_sent = first.prompt_logprobs, True

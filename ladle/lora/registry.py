@@ -2,7 +2,8 @@
 
 Names are registered at start (`--lora-modules`) or at run time (load/unload routes). At
 most `max_cpu_loras` adapters keep their weights in memory; the least recently used beyond
-that are paged out and read from their folder again when a request needs them. Thread-safe:
+that are paged out and read from their folder again when a request needs them; adapters of
+requests in flight are pinned (kept, even beyond max_cpu_loras). Thread-safe:
 the server registers and lists, the engine thread reads weights.
 """
 
@@ -24,6 +25,7 @@ class LoRARegistry:
         self._lock = threading.Lock()
         self._by_name: dict[str, AdapterRef] = {}
         self._loaded: OrderedDict[int, AdapterWeights] = OrderedDict()  # ref id -> weights, least recent first
+        self._pins: dict[int, int] = {}  # ref id -> requests in flight on it
         self.num_loads = 0  # reads from disk, paging in included
 
     def add(self, name: str, path: str | Path) -> AdapterRef:
@@ -71,6 +73,26 @@ class LoRARegistry:
             self.num_loads += 1
         return weights
 
+    def pin(self, ref: AdapterRef) -> None:
+        """Keep ref's weights in memory until as many `unpin`s; reads them again if they were paged out.
+        Raises AdapterError (pinning nothing) when they cannot be read."""
+        with self._lock:
+            self._pins[ref.id] = self._pins.get(ref.id, 0) + 1
+        try:
+            self.weights(ref)
+        except AdapterError:
+            self.unpin(ref)
+            raise
+
+    def unpin(self, ref: AdapterRef) -> None:
+        with self._lock:
+            left = self._pins.get(ref.id, 0) - 1
+            if left > 0:
+                self._pins[ref.id] = left
+            else:
+                self._pins.pop(ref.id, None)
+                self._page_out()
+
     def num_in_memory(self) -> int:
         with self._lock:
             return len(self._loaded)
@@ -78,5 +100,10 @@ class LoRARegistry:
     def _keep(self, ref: AdapterRef, weights: AdapterWeights) -> None:  # under _lock
         self._loaded[ref.id] = weights
         self._loaded.move_to_end(ref.id)
-        while len(self._loaded) > self.max_cpu_loras:
-            self._loaded.popitem(last=False)
+        self._page_out()
+
+    def _page_out(self) -> None:  # under _lock
+        """Drop the least recently used unpinned adapters beyond max_cpu_loras."""
+        unpinned = [i for i in self._loaded if i not in self._pins]
+        for ref_id in unpinned[: max(0, len(self._loaded) - self.max_cpu_loras)]:
+            del self._loaded[ref_id]
