@@ -15,7 +15,8 @@ from ladle.decisions import openai_dialect, reference, score, systemone
 from ladle.decisions.examples import DECISION_EXAMPLES, SCORE_EXAMPLES, SYSTEMONE_EXAMPLES
 from ladle.decisions.protocol import DecisionsRequest, DecisionsResponse, ScoreRequest, ScoreResponse, parse
 from ladle.decisions.extensions import Extensions
-from ladle.engine.async_engine import AdapterEngine, AsyncEngine
+from ladle.engine.adapter_engine import AdapterEngine
+from ladle.engine.async_engine import AsyncEngine
 from ladle.server.context import ServedModel, ServerContext, get_context
 from ladle.server.errors import APIError
 from ladle.server.openai_routes import json_response

@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 from ladle.engine.admission import CompletionRate, QueueFullError
 from ladle.engine.engine import LLMEngine
@@ -22,6 +23,9 @@ from ladle.engine.sampling_params import SamplingParams
 from ladle.engine.threads import claim_compute, release_openmp_team
 from ladle.lora.adapter import AdapterRef
 from ladle.spec_decode.stats import SpecDecodeStats
+
+if TYPE_CHECKING:
+    from ladle.engine.adapter_engine import AdapterEngine
 
 log = logging.getLogger("ladle")
 
@@ -265,6 +269,8 @@ class AsyncEngine:
 
     def with_lora(self, lora: str | None) -> AsyncEngine | AdapterEngine:
         """This engine, with every request it takes run on adapter `lora` (None: the base model)."""
+        from ladle.engine.adapter_engine import AdapterEngine
+
         return self if lora is None else AdapterEngine(self, lora)
 
     def abort(self, request_id: str) -> None:
@@ -404,26 +410,6 @@ class AsyncEngine:
                 listener(report)
             except Exception:
                 log.exception("step listener failed")
-
-
-class AdapterEngine:
-    """An AsyncEngine whose requests all run on one adapter, for code written against AsyncEngine
-    (decisions, scoring) that should not thread an adapter through every call."""
-
-    def __init__(self, engine: AsyncEngine, lora: str):
-        self._engine, self.lora = engine, lora
-
-    async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                          priority: int = 0) -> RequestStream:
-        return await self._engine.add_request(request_id, prompt, params, priority, self.lora)
-
-    async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                       priority: int = 0) -> AsyncIterator[StepOutput]:
-        async for out in self._engine.generate(request_id, prompt, params, priority, self.lora):
-            yield out
-
-    def __getattr__(self, name: str):  # everything else is the engine's own
-        return getattr(self._engine, name)
 
 
 def _adapter_names(seqs: list[Sequence]) -> tuple[str, ...]:

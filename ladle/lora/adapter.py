@@ -31,6 +31,10 @@ class AdapterError(ValueError):
     """An adapter folder ladle cannot serve; the message says why."""
 
 
+class AdapterNameError(AdapterError):
+    """The adapter's name is the fault (empty, or already taken), not its folder."""
+
+
 @dataclass(frozen=True, eq=False)
 class AdapterRef:
     """One loaded adapter, as requests and the prefix cache know it: `id` is unique per load,

@@ -13,7 +13,7 @@ import threading
 from collections import OrderedDict
 from pathlib import Path
 
-from ladle.lora.adapter import AdapterError, AdapterRef, AdapterWeights, load_adapter
+from ladle.lora.adapter import AdapterError, AdapterNameError, AdapterRef, AdapterWeights, load_adapter
 from ladle.model.config import ModelConfig
 
 
@@ -31,14 +31,14 @@ class LoRARegistry:
     def add(self, name: str, path: str | Path) -> AdapterRef:
         """Read, check and register an adapter; raises AdapterError (a bad folder, a name in use)."""
         if not name or not name.strip():
-            raise AdapterError("an adapter needs a name")
+            raise AdapterNameError("an adapter needs a name")
         with self._lock:
             if name in self._by_name:
-                raise AdapterError(f"an adapter named {name!r} is already loaded")
+                raise AdapterNameError(f"an adapter named {name!r} is already loaded")
         ref, weights = load_adapter(name, path, self.cfg, self.max_rank)
         with self._lock:
             if name in self._by_name:  # registered meanwhile
-                raise AdapterError(f"an adapter named {name!r} is already loaded")
+                raise AdapterNameError(f"an adapter named {name!r} is already loaded")
             self._by_name[name] = ref
             self._keep(ref, weights)
             self.num_loads += 1

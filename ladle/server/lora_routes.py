@@ -9,7 +9,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse, Response
 from pydantic import Field
 
-from ladle.lora.adapter import AdapterError
+from ladle.lora.adapter import AdapterError, AdapterNameError
 from ladle.server.context import ServerContext, get_context
 from ladle.server.errors import APIError
 from ladle.server.openai_routes import parse_body
@@ -48,7 +48,7 @@ async def load_lora_adapter(request: Request) -> Response:
     try:
         await ctx.engine.add_lora(req.lora_name, req.lora_path)
     except AdapterError as e:
-        param = "lora_name" if "already loaded" in str(e) else "lora_path"
+        param = "lora_name" if isinstance(e, AdapterNameError) else "lora_path"
         raise APIError(400, f"The lora adapter '{req.lora_name}' cannot be loaded: {e}", param=param) from None
     return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
 
