@@ -6,6 +6,7 @@ import argparse
 import os
 from dataclasses import dataclass, field
 
+from ladle.reasoning.parser import REASONING_PARSERS
 from ladle.spec_decode.config import SpeculativeConfig
 
 SCHEDULING_POLICIES = ("fcfs", "priority", "lpm")
@@ -44,6 +45,14 @@ class EngineConfig:
     max_loras: int = 1  # adapters resident for compute: at most this many in one step
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None  # adapters kept in memory (least recently used paged out); None: max_loras
+    # reasoning models (ladle.reasoning): think blocks, their budgets, and the effort-aware policy
+    reasoning_parser: str | None = None  # splits <think>...</think> from the answer; None: replies are all content
+    thinking_token_budget: int | None = None  # default budget of requests that set none; None: unlimited
+    max_high_effort_seqs: int = 0  # >0: at most this many high-effort sequences run at once (the rest wait)
+    high_effort_tokens: int = 1024  # a sequence whose thinking budget (else max_tokens) exceeds this is high-effort
+    # the second KV tier (ladle.engine.kv_offload): evicted prefix blocks kept on local disk
+    kv_offload_gib: float = 0.0  # 0: off
+    kv_offload_dir: str | None = None  # where its files go (a private folder inside; None: the system temp dir)
 
     def __post_init__(self) -> None:
         if isinstance(self.speculative_config, (dict, str)):  # LLM(speculative_config={...}), as vLLM takes it
@@ -67,6 +76,12 @@ class EngineConfig:
             self.max_cpu_loras = self.max_loras
         elif self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser must be one of {REASONING_PARSERS}, not {self.reasoning_parser!r}")
+        if self.thinking_token_budget is not None and (self.thinking_token_budget < 0 or self.reasoning_parser is None):
+            raise ValueError("thinking_token_budget must be non-negative and needs reasoning_parser (--reasoning-parser)")
+        if self.max_high_effort_seqs < 0 or self.high_effort_tokens < 0 or self.kv_offload_gib < 0:
+            raise ValueError("max_high_effort_seqs, high_effort_tokens and kv_offload_gib must be non-negative")
         if self.max_num_batched_tokens < self.block_size:
             # canonical (scoring) chunks end on block boundaries: a smaller budget never reaches one
             raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
@@ -138,6 +153,24 @@ def add_engine_arguments(parser) -> None:
                    help="adapters kept loaded in memory (default: --max-loras); the least recently used beyond "
                         "it are read from disk again when needed")
 
+    g = parser.add_argument_group("reasoning models and long sessions")
+    g.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
+                   help="split <think>...</think> out of chat replies into reasoning_content (Qwen3, DeepSeek-R1; "
+                        "the three names are one parser); enables thinking budgets")
+    g.add_argument("--thinking-token-budget", type=int, default=None, metavar="N",
+                   help="default thinking budget of requests that set none (thinking_token_budget or "
+                        "reasoning_effort): past N reasoning tokens the engine closes the think block itself")
+    g.add_argument("--max-high-effort-seqs", type=int, default=0, metavar="N",
+                   help="effort-aware scheduling: at most N high-effort sequences run at once and low-effort "
+                        "ones are admitted first, so long thinking cannot starve short requests (0: off)")
+    g.add_argument("--high-effort-tokens", type=int, default=EngineConfig.high_effort_tokens, metavar="N",
+                   help="a request is high-effort when its thinking budget (else its max_tokens) exceeds N")
+    g.add_argument("--kv-offload-gib", type=float, default=0.0,
+                   help="a second KV tier: prefix blocks the cache evicts are kept in up to this much local disk "
+                        "and read back on a later prefix hit instead of recomputed (0: off)")
+    g.add_argument("--kv-offload-dir", default=None,
+                   help="folder for the tier's files (a private subfolder, removed at exit; default: the temp dir)")
+
 
 def lora_modules(specs: list[str]) -> dict[str, str]:
     """NAME=PATH specs (vLLM also takes JSON objects with name and path) -> {name: path}."""
@@ -170,4 +203,7 @@ def engine_config_from_args(args) -> EngineConfig:
         speculative_config=SpeculativeConfig.parse(args.speculative_config) if args.speculative_config else None,
         enable_lora=args.enable_lora, lora_modules=lora_modules(args.lora_modules), max_loras=args.max_loras,
         max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
+        reasoning_parser=args.reasoning_parser, thinking_token_budget=args.thinking_token_budget,
+        max_high_effort_seqs=args.max_high_effort_seqs, high_effort_tokens=args.high_effort_tokens,
+        kv_offload_gib=args.kv_offload_gib, kv_offload_dir=args.kv_offload_dir,
     )

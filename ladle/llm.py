@@ -34,6 +34,7 @@ class Completion:
     stop_reason: int | str | None = None
     label_logprobs: list[float] | None = None  # scoring requests (SamplingParams.label_token_ids)
     hidden_states: dict[int, list[float]] | None = None  # SamplingParams.hidden_state_layers: layer -> state
+    num_reasoning_tokens: int | None = None  # --reasoning-parser: tokens inside the think block
 
 
 @dataclass
@@ -58,6 +59,8 @@ class GenerationResult:
                 c.label_logprobs = d.label_logprobs
             if d.hidden_states is not None:
                 c.hidden_states = d.hidden_states
+            if d.num_reasoning_tokens is not None:
+                c.num_reasoning_tokens = d.num_reasoning_tokens
 
 
 class LLM:

@@ -29,7 +29,7 @@ class ScriptedEngine:
         self.model_path = "scripted"
         self.requests: dict[str, list] = {}  # id -> [generated, max_tokens]
         self.scheduler = SimpleNamespace(running=[], waiting=[], num_preemptions=0)
-        self.kv = SimpleNamespace(num_blocks=8, num_free_blocks=8, usage=0.0, num_cached_blocks=0,
+        self.kv = SimpleNamespace(num_blocks=8, num_free_blocks=8, usage=0.0, num_cached_blocks=0, offload=None,
                                   stats=SimpleNamespace(queries=0, hits=0, evictions=0))
         self.stats = SimpleNamespace(prompt_tokens=0, generation_tokens=0, steps=0, spec=SpecDecodeStats())
         self.aborted: list[str] = []

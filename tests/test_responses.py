@@ -193,7 +193,7 @@ def test_bad_fields_are_400s_naming_them(server: Server, client: openai.OpenAI) 
         ({"input": QUESTION, "tools": [WEATHER], "tool_choice": {"type": "function", "name": "add"}}, "tool_choice"),
         ({"input": QUESTION, "include": ["message.output_text.logprobs"]}, "include"),
         ({"input": QUESTION, "background": True}, "background"),
-        ({"input": QUESTION, "reasoning": {"effort": "low"}}, "reasoning"),
+        ({"input": QUESTION, "reasoning": {"effort": "low"}}, "reasoning.effort"),  # needs --reasoning-parser
         ({"input": QUESTION, "truncation": "auto"}, "truncation"),
         ({"input": QUESTION, "text": {"verbosity": "low"}}, "text.verbosity"),
         ({"input": QUESTION, "text": {"format": {"type": "xml"}}}, "text.format.type"),

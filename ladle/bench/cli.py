@@ -16,8 +16,10 @@ from typing import Any
 from ladle.bench.client import Target, is_chat
 from ladle.bench.datasets import DATASETS, DatasetSpec, SampleRequest, sample_requests
 from ladle.bench.discover import TargetInfo, check_request, discover
-from ladle.bench.metrics import LATENCY_METRICS, compute_metrics, parse_goodput, parse_percentiles, per_request_fields
-from ladle.bench.report import format_table, provenance, result_path, timestamp, write_json
+from ladle.bench.metrics import (
+    LATENCY_METRICS, agent_turn_metrics, compute_metrics, parse_goodput, parse_percentiles, per_request_fields,
+)
+from ladle.bench.report import format_table, format_turn_table, provenance, result_path, timestamp, write_json
 from ladle.bench.runner import LoadSpec, run_load
 from ladle.bench.sweep import BY, SweepSpec, run_sweep
 
@@ -80,6 +82,9 @@ def _add_common(p: argparse.ArgumentParser, num_prompts: int) -> None:
     d.add_argument("--agent-system-len", type=int, default=1024)
     d.add_argument("--agent-burst-len", type=int, default=256, help="typical tokens of one tool result")
     d.add_argument("--agent-output-len", type=int, default=64)
+    d.add_argument("--agent-think-time", type=float, default=0.0, metavar="SECONDS",
+                   help="mean time a tool call runs before the session's next turn (seeded, exponential; "
+                        "not counted in TTFT or queue time)")
     d.add_argument("--decisions-input-len", type=int, default=256)
     d.add_argument("--decisions-questions", type=int, default=3)
     d.add_argument("--decisions-options", type=int, default=4)
@@ -212,12 +217,15 @@ async def _serve(args: argparse.Namespace) -> int:
           f"Maximum request concurrency: {load.max_concurrency}", flush=True)
     run = await run_load(info.target, requests, load, progress=not args.disable_tqdm)
     metrics = compute_metrics(run.results, run.duration, percentiles, slo or None)
+    metrics.update(agent_turn_metrics(run.results, [r.turn for r in requests]) or {})
     traffic = {"request_rate": "inf" if math.isinf(load.request_rate) else load.request_rate,
                "burstiness": load.burstiness, "max_concurrency": load.max_concurrency,
                "goodput_slo_ms": slo or None}
     result = {**_header(args, info, traffic), **_pairs(args.metadata, "--metadata"), **metrics}
     shown = tuple(m.strip() for m in args.percentile_metrics.split(",") if m.strip() in LATENCY_METRICS)
     print(format_table(result, percentiles, shown))
+    if "per_turn" in result:
+        print(format_turn_table(result["per_turn"]))
     errors = [r.error for r in run.results if not r.success]
     for i, err in enumerate(errors[:5]):
         print(f"error {i}: {err}", file=sys.stderr)

@@ -59,6 +59,8 @@ class RequestResult:
     start_time: float = 0.0  # time.perf_counter() when sent
     queue_time: float = 0.0  # from scheduled arrival to sending (concurrency limit, session order)
     generated_text: str = ""
+    reasoning_text: str = ""  # a reasoning model's delta.reasoning_content (it counts for TTFT and ITL too)
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, when the server reports it
 
 
 def make_http_client(target: Target, max_connections: int | None = None) -> httpx.AsyncClient:
@@ -104,6 +106,7 @@ async def _stream(http: httpx.AsyncClient, target: Target, req: SampleRequest) -
     payload = build_payload(target, req)
     out = RequestResult(prompt_len=req.prompt_len)
     parts: list[str] = []
+    reasoning: list[str] = []
     last = st = out.start_time = time.perf_counter()
     try:
         async with http.stream("POST", target.url(endpoint), json=payload) as resp:
@@ -122,16 +125,21 @@ async def _stream(http: httpx.AsyncClient, target: Target, req: SampleRequest) -
                     out.error = f"error in stream: {json.dumps(chunk['error'])[:300]}"
                     return out
                 choices = chunk.get("choices") or []
-                text = None
+                text = thought = None
                 if choices:
-                    text = (choices[0].get("delta") or {}).get("content") if chat else choices[0].get("text")
-                if text:
-                    if parts:
+                    delta = choices[0].get("delta") or {}
+                    text = delta.get("content") if chat else choices[0].get("text")
+                    thought = delta.get("reasoning_content") if chat else None
+                if text or thought:
+                    if parts or reasoning:
                         out.itl.append(now - last)
                     else:
                         out.ttft = now - st
                     last = now
-                    parts.append(text)
+                    if text:
+                        parts.append(text)
+                    if thought:
+                        reasoning.append(thought)
                 usage = chunk.get("usage")
                 if usage:
                     if usage.get("completion_tokens") is not None:
@@ -139,16 +147,20 @@ async def _stream(http: httpx.AsyncClient, target: Target, req: SampleRequest) -
                         out.usage_reported = True
                     if usage.get("prompt_tokens") is not None:
                         out.prompt_len = int(usage["prompt_tokens"])
+                    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+                    if cached is not None:
+                        out.cached_tokens = int(cached)
     except Exception as e:  # noqa: BLE001 - any failure is recorded, the run goes on
         out.error = f"{type(e).__name__}: {e}"
         return out
-    if not parts:
+    if not (parts or reasoning):
         out.error = "the stream ended without a chunk with text"
         return out
     if not out.usage_reported:
-        out.output_tokens = len(parts)
+        out.output_tokens = len(parts) + len(reasoning)
     out.latency = last - st
     out.generated_text = "".join(parts)
+    out.reasoning_text = "".join(reasoning)
     out.success = True
     return out
 

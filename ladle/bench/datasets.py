@@ -29,6 +29,8 @@ class SampleRequest:
     endpoint: str | None = None  # None: the run's endpoint
     body: dict[str, Any] | None = None  # a whole JSON body (decisions) instead of a prompt
     session_id: int | None = None  # turns of one agent session are sent in order, one at a time
+    turn: int | None = None  # its index within the session
+    think_time: float = 0.0  # seconds after the session's previous answer before it is sent (the tool's run)
 
 
 @dataclass
@@ -50,6 +52,7 @@ class DatasetSpec:
     agent_system_len: int = 1024
     agent_burst_len: int = 256
     agent_output_len: int = 64
+    agent_think_time: float = 0.0  # mean seconds a tool call runs between turns (exponential, seeded)
     decisions_input_len: int = 256
     decisions_questions: int = 3
     decisions_options: int = 4
@@ -72,7 +75,7 @@ def sample_requests(spec: DatasetSpec, n: int, seed: int,
                               spec.prefix_output_len, tpw)
     if spec.name == "agent":
         return agent_dataset(rng, n, spec.agent_turns, spec.agent_system_len, spec.agent_burst_len,
-                             spec.agent_output_len, tpw)
+                             spec.agent_output_len, tpw, spec.agent_think_time)
     if spec.name == "decisions":
         return decisions_dataset(rng, n, spec.decisions_input_len, spec.decisions_questions,
                                  spec.decisions_options, tpw)
@@ -153,13 +156,14 @@ def prefix_dataset(rng: np.random.Generator, n: int, prefix_len: int, suffix_len
 
 
 def agent_dataset(rng: np.random.Generator, n: int, turns: int, system_len: int, burst_len: int,
-                  output_len: int, tokens_per_word: float) -> list[SampleRequest]:
+                  output_len: int, tokens_per_word: float, think_time: float = 0.0) -> list[SampleRequest]:
     """Multi-turn agent sessions: one shared system prompt, then each turn appends a tool call and a
     burst of 1..k tool results (lognormal sizes around `burst_len` tokens) to the previous turn's prompt.
 
     The assistant's own replies are stood in for by the tool-call text, so a turn's prompt extends the
     previous prompt exactly (what a prefix cache can reuse), whatever the server generated. Sessions are
-    interleaved turn by turn; the runner sends a session's turns one after another.
+    interleaved turn by turn; the runner sends a session's turns one after another, each `think_time`
+    seconds on average (exponentially distributed: the tool calls' run times) after the last answer.
     """
     turns = max(turns, 1)
     system = f"You are a coding agent. Tools: {', '.join(AGENT_TOOLS)}.\n{random_text(rng, system_len, tokens_per_word)}"
@@ -168,8 +172,8 @@ def agent_dataset(rng: np.random.Generator, n: int, turns: int, system_len: int,
     for s in range(math.ceil(n / turns)):
         task = random_text(rng, 48, tokens_per_word)
         prompt, tokens = f"{system}\n\nUser: {task}\n\nAssistant:", system_tokens + 48 + 8
-        session = [SampleRequest(prompt=prompt, prompt_len=tokens, output_len=output_len, session_id=s)]
-        for _ in range(turns - 1):
+        session = [SampleRequest(prompt=prompt, prompt_len=tokens, output_len=output_len, session_id=s, turn=0)]
+        for turn in range(1, turns):
             for _call in range(1 + int(rng.poisson(0.5))):
                 tool = AGENT_TOOLS[int(rng.integers(len(AGENT_TOOLS)))]
                 arg = WORDS[int(rng.integers(len(WORDS)))]
@@ -180,7 +184,9 @@ def agent_dataset(rng: np.random.Generator, n: int, turns: int, system_len: int,
                 tokens += estimate_tokens(call) + size + 10
             prompt += "\nAssistant:"
             tokens += 3
-            session.append(SampleRequest(prompt=prompt, prompt_len=tokens, output_len=output_len, session_id=s))
+            wait = float(rng.exponential(think_time)) if think_time > 0 else 0.0
+            session.append(SampleRequest(prompt=prompt, prompt_len=tokens, output_len=output_len, session_id=s,
+                                         turn=turn, think_time=wait))
         sessions.append(session)
     interleaved = [sess[t] for t in range(turns) for sess in sessions if t < len(sess)]
     return interleaved[:n]

@@ -119,6 +119,42 @@ def compute_metrics(results: list[RequestResult], duration: float, percentiles: 
     return out
 
 
+def agent_turn_metrics(results: list[RequestResult], turns: list[int | None]) -> dict[str, Any] | None:
+    """Agent sessions, turn by turn (`turns`: each result's turn index): TTFT, and how much of each
+    turn's prompt the server had cached or had to prefill again. None for runs without turns."""
+    if not any(t is not None for t in turns):
+        return None
+    by_turn: dict[int, list[RequestResult]] = {}
+    for r, t in zip(results, turns):
+        if r.success and t is not None:
+            by_turn.setdefault(t, []).append(r)
+    rows = []
+    for t in sorted(by_turn):
+        rs = by_turn[t]
+        ttft = np.asarray([r.ttft for r in rs]) * 1000.0
+        reported = [r for r in rs if r.cached_tokens is not None]
+        prompt, cached = sum(r.prompt_len for r in reported), sum(r.cached_tokens for r in reported)
+        rows.append({
+            "turn": t, "requests": len(rs),
+            "ttft_p50_ms": float(np.percentile(ttft, 50)), "ttft_p99_ms": float(np.percentile(ttft, 99)),
+            "prompt_tokens_mean": float(np.mean([r.prompt_len for r in rs])),
+            "cached_tokens_mean": float(np.mean([r.cached_tokens for r in reported])) if reported else None,
+            "prefix_hit_rate": cached / prompt if prompt else None,
+            "reprefilled_tokens_mean": (prompt - cached) / len(reported) if reported else None,
+        })
+    reported = [r for rs in by_turn.values() for r in rs if r.cached_tokens is not None]
+    later = [r for t, rs in by_turn.items() if t >= 1 for r in rs if r.cached_tokens is not None]
+    prompt = sum(r.prompt_len for r in reported)
+    totals = {
+        "prefix_hit_rate": sum(r.cached_tokens for r in reported) / prompt if prompt else None,
+        "reprefilled_tokens_total": sum(r.prompt_len - r.cached_tokens for r in reported),
+        # turns with a previous context: what a prefix cache (and its second tier) should spare
+        "reprefilled_tokens_per_turn_mean": (float(np.mean([r.prompt_len - r.cached_tokens for r in later]))
+                                             if later else None),
+    }
+    return {"per_turn": rows, "agent": totals}
+
+
 def per_request_fields(results: list[RequestResult]) -> dict[str, list[Any]]:
     """The per-request arrays `vllm bench serve --save-detailed` writes."""
     return {
@@ -130,5 +166,6 @@ def per_request_fields(results: list[RequestResult]) -> dict[str, list[Any]]:
         "start_times": [r.start_time for r in results],
         "queue_times": [r.queue_time for r in results],
         "generated_texts": [r.generated_text for r in results],
+        "cached_tokens": [r.cached_tokens for r in results],
         "errors": [r.error for r in results],
     }

@@ -122,3 +122,21 @@ def _json_default(value: Any) -> Any:
     if hasattr(value, "item"):  # numpy scalars
         return value.item()
     return str(value)
+
+
+def format_turn_table(per_turn: list[dict[str, Any]]) -> str:
+    """Agent sessions turn by turn: TTFT, and the prompt tokens cached or prefilled again."""
+    lines = ["{s:{c}^{n}}".format(s=" Agent turns ", n=72, c="="),
+             "{:>4} {:>5} {:>11} {:>11} {:>9} {:>9} {:>10} {:>12}".format(
+                 "turn", "reqs", "TTFT p50ms", "TTFT p99ms", "prompt", "cached", "hit rate", "re-prefilled")]
+
+    def num(v: Any, fmt: str) -> str:
+        return "-" if v is None else format(v, fmt)
+
+    for t in per_turn:
+        lines.append("{:>4} {:>5} {:>11} {:>11} {:>9} {:>9} {:>10} {:>12}".format(
+            t["turn"], t["requests"], num(t["ttft_p50_ms"], ".1f"), num(t["ttft_p99_ms"], ".1f"),
+            num(t["prompt_tokens_mean"], ".0f"), num(t["cached_tokens_mean"], ".0f"),
+            num(t["prefix_hit_rate"], ".1%"), num(t["reprefilled_tokens_mean"], ".0f")))
+    lines.append("=" * 72)
+    return "\n".join(lines)

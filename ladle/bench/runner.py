@@ -4,7 +4,8 @@ Arrivals follow vLLM's `bench serve`: all at once for an infinite rate, else
 gamma-distributed gaps with shape `burstiness` and mean 1/rate (burstiness 1 is
 a Poisson process, below 1 burstier, above 1 more regular), rescaled so the last
 arrival lands at n/rate. A request waits for a free slot when --max-concurrency
-is reached, and an agent turn also waits for its session's previous turn.
+is reached, and an agent turn also waits for its session's previous turn and then its
+think time (the tool call's run): it counts as arriving once that has passed.
 """
 
 from __future__ import annotations
@@ -65,6 +66,9 @@ async def run_load(target: Target, requests: list[SampleRequest], load: LoadSpec
         async def one(req: SampleRequest, arrived: float, before: asyncio.Task | None) -> RequestResult:
             if before is not None:
                 await asyncio.wait([before])  # the session's previous turn, whatever its outcome
+                if req.think_time > 0:  # the tool runs; the turn exists once it is done
+                    await asyncio.sleep(req.think_time)
+                    arrived = max(arrived, time.perf_counter())
             if slots is None:
                 result = await send(http, target, req)
             else:

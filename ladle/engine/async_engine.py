@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from ladle.engine.admission import CompletionRate, QueueFullError
 from ladle.engine.engine import LLMEngine
+from ladle.engine.kv_offload import OffloadStats
 from ladle.engine.request import Sequence, StepOutput
 from ladle.engine.sampling_params import SamplingParams
 from ladle.engine.threads import claim_compute, release_openmp_team
@@ -57,6 +58,10 @@ class EngineSnapshot:
     prefix_cache_evictions: int = 0  # blocks evicted from the prefix cache
     num_cached_blocks: int = 0  # blocks in the prefix cache, referenced or not
     spec_decode: SpecDecodeStats = field(default_factory=SpecDecodeStats)  # speculative decoding's totals
+    kv_offload: OffloadStats | None = None  # the second KV tier's totals; None: no tier
+    # its measured break-even: seconds to read a block back, and to prefill a block's tokens
+    kv_offload_restore_s: float | None = None
+    kv_offload_prefill_s: float | None = None
     running_loras: tuple[str, ...] = ()  # adapters of running sequences (sorted names)
     waiting_loras: tuple[str, ...] = ()  # adapters of waiting sequences
     taken_at: float = 0.0  # time.time() of the snapshot
@@ -400,6 +405,10 @@ class AsyncEngine:
             prefix_cache_queries=e.kv.stats.queries, prefix_cache_hits=e.kv.stats.hits,
             prefix_cache_evictions=e.kv.stats.evictions, num_cached_blocks=e.kv.num_cached_blocks,
             spec_decode=replace(e.stats.spec, accepted_per_pos=list(e.stats.spec.accepted_per_pos)),
+            kv_offload=replace(e.kv.offload.tier.stats) if e.kv.offload is not None else None,
+            kv_offload_restore_s=e.kv.offload.load_s_per_block if e.kv.offload is not None else None,
+            kv_offload_prefill_s=(e.kv.offload.prefill_s_per_token * e.kv.block_size
+                                  if e.kv.offload is not None and e.kv.offload.prefill_s_per_token else None),
             running_loras=_adapter_names(e.scheduler.running), waiting_loras=_adapter_names(e.scheduler.waiting),
             taken_at=time.time(),
         )

@@ -33,6 +33,8 @@ from ladle.model.loader import holds_quantized_weights, load_weights, resolve_mo
 from ladle.engine.runner import ModelRunner
 from ladle.engine.sampler import Sampler, token_logprob
 from ladle.model.tokenizer import IncrementalDetokenizer, Tokenizer
+from ladle.reasoning.budget import PROMPT_TAIL_TOKENS, ReasoningSpec
+from ladle.reasoning.parser import tags_for
 from ladle.spec_decode.proposer import Proposer
 from ladle.spec_decode.stats import SpecDecodeStats
 from ladle.spec_decode.verify import verify
@@ -83,7 +85,11 @@ class LLMEngine:
         self.runner = ModelRunner(self.model_config, load_weights(folder, self.dtype.dtype), num_blocks,
                                   config.block_size, self.kv_dtype, config.quantization)
         self.sampler = Sampler(config.seed)
+        if config.kv_offload_gib > 0:
+            self._start_offload()
         self.loras = self._start_lora() if config.enable_lora else None
+        self.reasoning = ReasoningSpec.of(self.tokenizer, tags_for(config.reasoning_parser)) \
+            if config.reasoning_parser else None
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids))
         log.info("matmuls: decode on %s, prefill on %s (measured: %s)", self.runner.model.routing.decode,
                  self.runner.model.routing.prefill, self.runner.model.routing.measured)
@@ -107,6 +113,22 @@ class LLMEngine:
         log.info("LoRA: %d adapter(s) loaded, %d slot(s) of rank up to %d, %d kept in memory",
                  len(c.lora_modules), c.max_loras, c.max_lora_rank, c.max_cpu_loras)
         return registry
+
+    def _start_offload(self) -> None:
+        if not self.config.enable_prefix_caching:
+            raise ValueError("--kv-offload-gib keeps prefix-cache blocks: it needs prefix caching on")
+        from ladle.engine.kv_offload import OffloadTier
+
+        tier = OffloadTier(self.config.kv_offload_dir, int(self.config.kv_offload_gib * 2**30))
+        tensors = self.runner.kv_cache.tensors()
+        self.kv.enable_offload(tier, lambda block: [t[:, block] for t in tensors])
+        log.info("KV offload tier: up to %.2f GiB in %s", self.config.kv_offload_gib, tier.directory)
+
+    def _measure_prefill(self, plan, seconds: float) -> None:
+        """The second tier's break-even: what a token costs in a step that is mostly prefill."""
+        prefill = sum(item.num_new_tokens for item in plan.scheduled if item.num_new_tokens > 1)
+        if prefill >= 4 * self.config.block_size and prefill * 2 >= plan.num_tokens:
+            self.kv.offload.record_prefill(seconds, plan.num_tokens)
 
     def add_lora(self, name: str, path: str) -> AdapterRef:
         """Serve another adapter (thread-safe: it reads the folder on the calling thread); raises
@@ -197,6 +219,9 @@ class LLMEngine:
     def _check_prompt(self, ids: list[int], params: SamplingParams) -> None:
         if not ids:
             raise InvalidRequestError("the prompt is empty", param="prompt")
+        if params.thinking_token_budget is not None and self.reasoning is None:
+            raise InvalidRequestError("a thinking budget needs a reasoning model served with --reasoning-parser",
+                                      param="thinking_token_budget")
         vocab = self.model_config.vocab_size
         if any(not 0 <= t < vocab for t in ids):
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", param="prompt")
@@ -227,6 +252,12 @@ class LLMEngine:
                        canonical=self.config.deterministic or params.is_scoring, lora=lora)
         detok = IncrementalDetokenizer(self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens)
         seq.text = OutputTextTracker(detok, params.stop)
+        if self.reasoning is not None and not params.is_scoring:
+            budget = params.thinking_token_budget
+            if budget is None and params.structured_outputs is None:  # a grammar cannot take the forced close
+                budget = self.config.thinking_token_budget
+            tail = self.tokenizer.decode(ids[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
+            seq.reasoning = self.reasoning.tracker(tail, budget)
         return seq
 
     def abort_request(self, request_id: str) -> bool:
@@ -252,6 +283,8 @@ class LLMEngine:
             return []
         now = time.time()
         logits = self.runner.execute(plan.scheduled)
+        if self.kv.offload is not None:
+            self._measure_prefill(plan, time.time() - now)
         for item in plan.scheduled:
             item.seq.first_scheduled_time = item.seq.first_scheduled_time or now
         verified = self._verify_drafts(plan, logits.draft_rows)
@@ -298,7 +331,9 @@ class LLMEngine:
     def _may_speculate(seq: Sequence) -> bool:
         """Decoding, and not canonical (scoring, --deterministic: a verification step is not a decode
         step, so it would not give a decode step's bits)."""
-        return seq.num_computed_tokens == seq.num_tokens - 1 and not seq.canonical and not seq.params.is_scoring
+        forcing = seq.reasoning is not None and seq.reasoning.may_force  # its next tokens may be forced
+        return (seq.num_computed_tokens == seq.num_tokens - 1 and not seq.canonical and not seq.params.is_scoring
+                and not forcing)
 
     def _verify_drafts(self, plan, draft_rows: list[tuple[Sequence, torch.Tensor]]) -> list:
         """Decide each drafting sequence's tokens before the scheduler counts them: only the kept
@@ -335,7 +370,8 @@ class LLMEngine:
         last = parts[-1]
         return CompletionDelta(index=seq.index, token_ids=[t for d in parts for t in d.token_ids],
                                text="".join(d.text for d in parts), logprobs=[lp for d in parts for lp in d.logprobs],
-                               finish_reason=last.finish_reason, stop_reason=last.stop_reason)
+                               finish_reason=last.finish_reason, stop_reason=last.stop_reason,
+                               num_reasoning_tokens=last.num_reasoning_tokens)
 
     def _append_token(self, seq: Sequence, token: int, lp: TokenLogprob | None, now: float) -> CompletionDelta:
         seq.token_ids.append(token)
@@ -351,8 +387,11 @@ class LLMEngine:
         elif token in p.stop_token_ids:
             finish, stop_reason = "stop", token
         else:
+            text_before = len(seq.text.text)
             stop_reason = seq.text.append(token)
             finish = "stop" if stop_reason is not None else None
+            if seq.reasoning is not None:
+                self._observe_reasoning(seq, token, text_before)
         if seq.grammar is not None and finish is None and self._grammar_done(seq, token):
             finish = "stop"
         if finish is None and (seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len):
@@ -361,7 +400,15 @@ class LLMEngine:
             seq.finish_reason, seq.stop_reason = finish, stop_reason
             self.scheduler.finish(seq)
         return CompletionDelta(index=seq.index, token_ids=[token], text=seq.text.release(finish is not None),
-                               logprobs=[lp] if lp is not None else [], finish_reason=finish, stop_reason=stop_reason)
+                               logprobs=[lp] if lp is not None else [], finish_reason=finish, stop_reason=stop_reason,
+                               num_reasoning_tokens=seq.reasoning.num_reasoning_tokens if seq.reasoning else None)
+
+    @staticmethod
+    def _observe_reasoning(seq: Sequence, token: int, text_before: int) -> None:
+        tracker = seq.reasoning
+        if tracker.forced and tracker.forced[0] == token:  # the sampler emitted it
+            tracker.forced.pop(0)
+        tracker.observe(seq.text.text, text_before)
 
     @staticmethod
     def _grammar_done(seq: Sequence, token: int) -> bool:

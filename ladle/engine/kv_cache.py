@@ -7,15 +7,27 @@ least recently used first when the pool needs room).
 
 Invariant: a sequence holds a path from the tree's root, so every ancestor of a held
 block is held too, and every cached block can eventually be evicted.
+
+With a second tier (--kv-offload-gib) an evicted block's K/V goes to local disk under its
+prefix digest, and a later prompt that runs past the tree's match continues matching there:
+those blocks are read back into fresh blocks and join the tree, as if they had never left.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from ladle.engine.prefix_cache import RadixCache
+from ladle.engine.prefix_cache import Node, RadixCache, chain_digest
 from ladle.engine.request import Sequence
+
+if TYPE_CHECKING:
+    import torch
+
+    from ladle.engine.kv_offload import OffloadTier
 
 
 @dataclass
@@ -23,6 +35,33 @@ class PrefixCacheStats:
     queries: int = 0  # prompt tokens looked up
     hits: int = 0  # of those, found cached
     evictions: int = 0  # blocks evicted
+
+
+@dataclass
+class OffloadLink:
+    """The second tier as the block manager uses it, and the measured break-even: a run of blocks is
+    read back only while a block reads back faster than its tokens prefill on this machine."""
+
+    tier: "OffloadTier"
+    block_views: Callable[[int], list["torch.Tensor"]]  # block id -> its slices of the live KV tensors
+    block_size: int
+    load_s_per_block: float | None = None  # running means, measured while serving
+    prefill_s_per_token: float | None = None  # the engine's figure
+
+    def worth_restoring(self) -> bool:
+        if self.load_s_per_block is None or self.prefill_s_per_token is None:
+            return True  # restore until measured otherwise: it is far cheaper for any real model
+        return self.load_s_per_block < self.prefill_s_per_token * self.block_size
+
+    def record_load(self, seconds: float) -> None:
+        self.load_s_per_block = _running_mean(self.load_s_per_block, seconds)
+
+    def record_prefill(self, seconds: float, tokens: int) -> None:
+        self.prefill_s_per_token = _running_mean(self.prefill_s_per_token, seconds / tokens)
+
+
+def _running_mean(mean: float | None, value: float, weight: float = 0.1) -> float:
+    return value if mean is None else mean + weight * (value - mean)
 
 
 class BlockPool:
@@ -64,6 +103,12 @@ class KVCacheManager:
         self.cache = RadixCache(block_size) if enable_prefix_caching else None
         self.num_cached_unreferenced = 0
         self.stats = PrefixCacheStats()
+        self.offload: OffloadLink | None = None
+
+    def enable_offload(self, tier: "OffloadTier", block_views: Callable[[int], list["torch.Tensor"]]) -> None:
+        """Keep evicted prefix blocks in `tier` and read them back on later hits."""
+        assert self.cache is not None, "the second tier holds prefix-cache blocks: it needs prefix caching"
+        self.offload = OffloadLink(tier, block_views, self.block_size)
 
     @property
     def num_blocks(self) -> int:
@@ -121,8 +166,36 @@ class KVCacheManager:
         seq.block_table = [node.block_id for node in path]
         seq.num_cached_blocks = len(path)
         seq.num_computed_tokens = len(path) * self.block_size
-        self._reuse_partial_block(seq, path[-1] if path else None)
+        last = self._restore(seq, path[-1] if path else self.cache.root(seq.adapter_id))
+        self._reuse_partial_block(seq, None if last.parent is None else last)
         return seq.num_computed_tokens
+
+    def _restore(self, seq: Sequence, parent: Node) -> Node:
+        """Continue seq's match in the second tier: read its next blocks back while the tier has
+        them (and the tree does not); returns the last node of seq's cached path."""
+        link = self.offload
+        if link is None or not link.worth_restoring():
+            return parent
+        bs, tier = self.block_size, link.tier
+        for k in range(len(seq.block_table), self._max_match_blocks(seq)):
+            key = tuple(seq.token_ids[k * bs : (k + 1) * bs])
+            digest = chain_digest(parent.digest, key)
+            if key in parent.children or not tier.contains(digest, canonical_only=seq.canonical):
+                break
+            if self.num_free_blocks == 0:
+                break
+            block = self._take_block()
+            started = time.perf_counter()
+            if not tier.load(digest, link.block_views(block)):  # missing or corrupt: recompute from here
+                self._unref(block)
+                break
+            link.record_load(time.perf_counter() - started)
+            parent = self.cache.insert(parent, key, block, tier.contains(digest, canonical_only=True),
+                                       seq.adapter_id)
+            seq.block_table.append(block)
+            seq.num_cached_blocks += 1
+            seq.num_computed_tokens += bs
+        return parent
 
     def _reuse_partial_block(self, seq: Sequence, parent) -> None:
         """Where the prompt shares only the start of a cached block, copy those tokens'
@@ -244,8 +317,10 @@ class KVCacheManager:
             self.pool.free_ids.append(block_id)
 
     def _evict_one(self) -> None:
-        block_id = self.cache.evict_lru(lambda b: self.pool.ref_counts[b] == 0) if self.cache else None
-        assert block_id is not None, "no block to evict although the count said there was"
+        node = self.cache.evict_lru(lambda b: self.pool.ref_counts[b] == 0) if self.cache else None
+        assert node is not None, "no block to evict although the count said there was"
+        if self.offload is not None:  # before anything can write over it
+            self.offload.tier.store(node.digest, self.offload.block_views(node.block_id), node.canonical)
         self.num_cached_unreferenced -= 1
         self.stats.evictions += 1
-        self.pool.free_ids.append(block_id)
+        self.pool.free_ids.append(node.block_id)

@@ -13,10 +13,15 @@ non-canonical node's tokens takes the node over.
 
 Each LoRA adapter has a tree of its own (a namespace: 0 for the base model), since the same
 tokens give other K/V under another adapter.
+
+Every node also carries a digest of its namespace and whole token prefix (chained block by
+block), the name its K/V goes by once evicted to the second tier (ladle.engine.kv_offload).
 """
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -30,6 +35,12 @@ class Node:
     parent: "Node | None"
     canonical: bool = False
     children: dict[Key, "Node"] = field(default_factory=dict)
+    digest: bytes = b""  # of the namespace and every token from the root through this block
+
+
+def chain_digest(parent: bytes, key: Key) -> bytes:
+    """The digest of a block's prefix: its parent's digest and its own tokens."""
+    return hashlib.blake2b(parent + array("q", key).tobytes(), digest_size=16).digest()
 
 
 class RadixCache:
@@ -49,7 +60,8 @@ class RadixCache:
     def root(self, namespace: int = 0) -> Node:
         node = self.roots.get(namespace)
         if node is None:
-            node = self.roots[namespace] = Node(key=(), block_id=-1, parent=None)
+            node = self.roots[namespace] = Node(key=(), block_id=-1, parent=None,
+                                                digest=chain_digest(b"ladle-kv", (namespace,)))
         return node
 
     def match(self, tokens: list[int], max_blocks: int, canonical_only: bool = False, namespace: int = 0) -> list[Node]:
@@ -87,7 +99,8 @@ class RadixCache:
         existing = parent.children.get(key)
         if existing is not None:
             return existing
-        node = Node(key=key, block_id=block_id, parent=parent, canonical=canonical)
+        node = Node(key=key, block_id=block_id, parent=parent, canonical=canonical,
+                    digest=chain_digest(parent.digest, key))
         parent.children[key] = node
         self.by_block[block_id] = node
         self.evictable.pop(parent.block_id, None)  # a parent with children is no leaf
@@ -115,8 +128,8 @@ class RadixCache:
             self.evictable[block_id] = node
             self.evictable.move_to_end(block_id)
 
-    def evict_lru(self, is_unreferenced) -> int | None:
-        """Remove the least recently used unreferenced leaf; returns its block id."""
+    def evict_lru(self, is_unreferenced) -> Node | None:
+        """Remove the least recently used unreferenced leaf and return it."""
         if not self.evictable:
             return None
         block_id, node = self.evictable.popitem(last=False)
@@ -125,4 +138,4 @@ class RadixCache:
         del parent.children[node.key]
         if parent.parent is not None and not parent.children and is_unreferenced(parent.block_id):
             self.evictable[parent.block_id] = parent
-        return block_id
+        return node

@@ -14,6 +14,7 @@ if TYPE_CHECKING:
 
     from ladle.engine.stop import OutputTextTracker
     from ladle.lora.adapter import AdapterRef
+    from ladle.reasoning.budget import ReasoningTracker
     from ladle.structured.matcher import GrammarState
 
 
@@ -67,6 +68,7 @@ class Sequence:
     in_step_copy: tuple[int, int, int] | None = None
     generator: "torch.Generator | None" = None
     grammar: "GrammarState | None" = None  # params.structured_outputs: where the output is in it
+    reasoning: "ReasoningTracker | None" = None  # --reasoning-parser: its think block and budget
     # tokens proposed to follow token_ids, verified by this step's forward (speculative decoding);
     # never part of token_ids until the target keeps them
     draft_token_ids: list[int] = field(default_factory=list)
@@ -105,6 +107,11 @@ class Sequence:
         return 0 if self.lora is None else self.lora.id
 
     @property
+    def forced_token(self) -> int | None:
+        """The token the engine emits next whatever the logits say (budget forcing closing a think block)."""
+        return self.reasoning.forced[0] if self.reasoning is not None and self.reasoning.forced else None
+
+    @property
     def is_finished(self) -> bool:
         return self.status is SeqStatus.FINISHED
 
@@ -126,6 +133,7 @@ class CompletionDelta:
     stop_reason: int | str | None = None
     label_logprobs: list[float] | None = None  # scoring requests: one per label token
     hidden_states: dict[int, list[float]] | None = None  # params.hidden_state_layers: layer -> pooled state
+    num_reasoning_tokens: int | None = None  # --reasoning-parser: the sequence's reasoning tokens so far
 
 
 @dataclass

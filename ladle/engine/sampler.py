@@ -4,6 +4,8 @@ A seeded request draws from its own generator, so its tokens do not depend on wh
 else shares the batch. Logprobs are those of the model distribution before penalties and
 sampling settings, as in vLLM; a constrained row's are after its grammar mask (vLLM V1
 masks before its sampler too), so they are renormalised over what the grammar allows.
+A token the engine forces (a think block closed on budget) is emitted as it is, with the
+model's logprob for it.
 """
 
 from __future__ import annotations
@@ -40,7 +42,9 @@ class Sampler:
             raw = torch.log_softmax(logits.float(), dim=-1)
         results = []
         for i, seq in enumerate(seqs):
-            token = self._sample_row(logits[i], seq)
+            token = seq.forced_token
+            if token is None:
+                token = self._sample_row(logits[i], seq)
             lp = None
             if raw is not None and seq.params.logprobs is not None:
                 lp = token_logprob(raw[i], token, seq.params.logprobs)

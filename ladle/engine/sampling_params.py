@@ -44,6 +44,9 @@ class SamplingParams:
     hidden_state_start: int = 0
     # Constrained decoding: every sampled token keeps the output inside this grammar.
     structured_outputs: StructuredOutputsParams | None = None
+    # Reasoning models (--reasoning-parser): past this many reasoning tokens the engine closes the
+    # think block itself and the model answers. None: the server's default (unlimited without one).
+    thinking_token_budget: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -75,6 +78,10 @@ class SamplingParams:
             (self.hidden_state_start >= 0, "hidden_state_start", "must be non-negative"),
             (self.structured_outputs is None or not self.is_scoring, "structured_outputs",
              "cannot constrain a prefill-only (scoring) request"),
+            (self.thinking_token_budget is None or self.thinking_token_budget >= 0, "thinking_token_budget",
+             "must be non-negative"),
+            (self.thinking_token_budget is None or self.structured_outputs is None, "thinking_token_budget",
+             "cannot be combined with structured outputs (the forced end of thinking is outside the grammar)"),
         ]
         for ok, name, why in checks:
             if not ok:

@@ -4,6 +4,11 @@ Decodes go first, then unfinished prefills, then newly admitted requests, all un
 one token budget. When the block pool runs dry the scheduler preempts (the most
 recently admitted, or under the priority policy the least urgent) and recomputes
 the victim later. A new sequence starts from its longest cached prefix.
+
+Effort-aware admission (--max-high-effort-seqs N): a high-effort sequence (a thinking budget,
+else a max_tokens, above --high-effort-tokens) waits while N of them run, and low-effort
+sequences are admitted first; so the slots and step budget left over stay free for short
+requests however many long thinkers queue.
 """
 
 from __future__ import annotations
@@ -91,10 +96,10 @@ class Scheduler:
 
     def _admit(self, plan: _StepPlan) -> None:
         self._order_waiting()
-        no_slot: list[Sequence] = []  # their adapter would be one too many: they wait, the rest go on
+        no_slot: list[Sequence] = []  # one adapter or high-effort sequence too many: they wait, the rest go on
         while self.waiting and plan.budget > 0:
             seq = self.waiting[0]
-            if not self._adapter_fits(seq):
+            if not self._adapter_fits(seq) or not self._effort_fits(seq):
                 no_slot.append(self.waiting.pop(0))
                 continue
             if len(self.running) >= self.config.max_num_seqs:
@@ -126,6 +131,17 @@ class Scheduler:
         running = {s.lora.id for s in self.running if s.lora is not None}
         return seq.lora.id in running or len(running) < self.config.max_loras
 
+    def is_high_effort(self, seq: Sequence) -> bool:
+        r = seq.reasoning
+        effort = r.budget if r is not None and r.budget is not None else seq.params.max_tokens
+        return effort > self.config.high_effort_tokens
+
+    def _effort_fits(self, seq: Sequence) -> bool:
+        cap = self.config.max_high_effort_seqs
+        if cap == 0 or not self.is_high_effort(seq):
+            return True
+        return sum(1 for s in self.running if self.is_high_effort(s)) < cap
+
     def _share_in_flight(self, seq: Sequence, plan: _StepPlan, hit: int) -> int:
         """Start seq further on when a sequence this step computes shares more of its prompt
         than the prefix cache holds (requests sharing a prefix that arrive together: the
@@ -154,6 +170,8 @@ class Scheduler:
             self.waiting.sort(key=lambda s: (-lengths[s.seq_id], s.arrival_time, s.seq_id))
         else:
             self.waiting.sort(key=self._urgency)
+        if self.config.max_high_effort_seqs:
+            self.waiting.sort(key=self.is_high_effort)  # stable: low-effort first, each lane in order
 
     def _preempt_for(self, seq: Sequence, plan: _StepPlan) -> bool:
         """Priority policy: make room for seq by preempting a less urgent running sequence."""

@@ -1,7 +1,11 @@
-"""A chat choice's text as the API returns it: content, or content and tool calls."""
+"""A chat choice's text as the API returns it: content, or content and tool calls, and a reasoning
+model's think block apart (reasoning_content) when the server has a reasoning parser."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+from ladle.reasoning.parser import ReasoningStream, ThinkTags, split_reasoning
 from ladle.server.constraints import ToolPlan
 from ladle.server.protocol import (
     AssistantMessage, DeltaMessage, FunctionCallDelta, FunctionCallOut, ToolCallDelta, ToolCallOut,
@@ -9,8 +13,29 @@ from ladle.server.protocol import (
 from ladle.tools.parsers import ParserEvents, ToolParser
 
 
-def assistant_message(plan: ToolPlan | None, text: str, finish_reason: str | None) -> tuple[AssistantMessage, str | None]:
+@dataclass(frozen=True)
+class Thinking:
+    """How a request's replies split into thinking and answer: the tags, and whether its prompt
+    left a think block open (the template opened it)."""
+
+    tags: ThinkTags
+    opened_by_prompt: bool
+
+
+def assistant_message(plan: ToolPlan | None, text: str, finish_reason: str | None,
+                      thinking: Thinking | None = None) -> tuple[AssistantMessage, str | None]:
     """The whole reply as a message, and its finish reason ("tool_calls" when it made calls)."""
+    if thinking is None:
+        return _answer_message(plan, text, finish_reason)
+    reasoning, content = split_reasoning(text, thinking.opened_by_prompt, thinking.tags)
+    message, finish_reason = _answer_message(plan, content or "", finish_reason)
+    message.reasoning_content = reasoning
+    if reasoning is not None and not content:
+        message.content = None  # the reply never left its think block (or said nothing after it)
+    return message, finish_reason
+
+
+def _answer_message(plan: ToolPlan | None, text: str, finish_reason: str | None) -> tuple[AssistantMessage, str | None]:
     parser = plan.new_parser() if plan is not None else None
     if parser is None:
         return AssistantMessage(content=text), finish_reason
@@ -29,13 +54,27 @@ def assistant_message(plan: ToolPlan | None, text: str, finish_reason: str | Non
 class ChoiceDeltas:
     """One choice's stream: text deltas in, delta messages out (content and tool-call deltas)."""
 
-    def __init__(self, plan: ToolPlan | None):
+    def __init__(self, plan: ToolPlan | None, thinking: Thinking | None = None):
         self._parser: ToolParser | None = plan.new_parser() if plan is not None else None
         self._max_calls = None if plan is None or plan.parallel else 1
+        self._thinking = None if thinking is None else ReasoningStream(thinking.opened_by_prompt, thinking.tags)
         self.made_calls = False
 
     def delta(self, text: str, last: bool) -> DeltaMessage | None:
         """The delta for this text (None when it released nothing yet)."""
+        if self._thinking is None:
+            return self._answer_delta(text, last)
+        reasoning, text = self._thinking.feed(text) if text else ("", "")
+        if last:
+            more_reasoning, more_text = self._thinking.finish()
+            reasoning, text = reasoning + more_reasoning, text + more_text
+        delta = self._answer_delta(text, last)
+        if reasoning:
+            delta = delta or DeltaMessage()
+            delta.reasoning_content = reasoning
+        return delta
+
+    def _answer_delta(self, text: str, last: bool) -> DeltaMessage | None:
         if self._parser is None:
             return DeltaMessage(content=text) if text else None
         events = self._parser.feed(text) if text else ParserEvents()

@@ -13,6 +13,7 @@ from ladle.decisions.extensions import Extensions
 from ladle.engine.async_engine import AsyncEngine
 from ladle.model.hub import parse_hub_id
 from ladle.model.tokenizer import Tokenizer
+from ladle.reasoning.parser import ThinkTags, tags_for
 from ladle.server.errors import APIError
 from ladle.server.logprobs import TokenNames
 from ladle.server.metrics import Metrics
@@ -54,6 +55,12 @@ class ServerContext:
         tok = self.engine.tokenizer
         self.chat_tokenizer = tok if self.chat_template is None else with_chat_template(tok, self.chat_template)
         self.responses = ResponseStore(self.max_stored_responses)
+
+    @property
+    def reasoning_tags(self) -> "ThinkTags | None":
+        """The think-block tags of --reasoning-parser; None: replies are all content."""
+        name = self.engine.engine.config.reasoning_parser
+        return None if name is None else tags_for(name)
 
     def check_logprobs(self, requested: int | None, param: str) -> None:
         if requested is not None and requested > self.max_logprobs:

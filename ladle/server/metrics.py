@@ -70,6 +70,8 @@ class EngineStateCollector:
             family.add_metric([self.model_name], value)
             yield family
         yield from self._spec_decode(s.spec_decode)
+        if s.kv_offload is not None:
+            yield from self._kv_offload(s)
         if self.engine.lora_enabled:
             yield self._lora_info(s)
         cache = self.engine.cache_config_info
@@ -86,6 +88,32 @@ class EngineStateCollector:
         family.add_metric([self.model_name, str(self.engine.engine.config.max_loras), ",".join(s.waiting_loras),
                            ",".join(s.running_loras)], s.taken_at)
         return family
+
+    def _kv_offload(self, s) -> Iterator[Metric]:
+        """The second KV tier (--kv-offload-gib): blocks written, read back, and lost; and the
+        break-even it restores by, as measured (once measured)."""
+        stats = s.kv_offload
+        for name, doc, value in (
+            ("ladle:kv_offload_restore_seconds_per_block", "Mean time to read one KV block back from the tier.",
+             s.kv_offload_restore_s),
+            ("ladle:kv_offload_prefill_seconds_per_block", "Mean time to prefill one block's tokens (blocks are "
+             "read back while that is faster).", s.kv_offload_prefill_s),
+        ):
+            if value is not None:
+                family = GaugeMetricFamily(name, doc, labels=["model_name"])
+                family.add_metric([self.model_name], value)
+                yield family
+        for name, doc, value in (
+            ("ladle:kv_offload_stored_blocks", "KV blocks the prefix cache evicted into the offload tier.",
+             stats.stored),
+            ("ladle:kv_offload_restored_blocks", "KV blocks read back from the offload tier on a prefix hit "
+             "instead of recomputed.", stats.restored),
+            ("ladle:kv_offload_dropped_blocks", "KV blocks that left the offload tier unread: for room, or "
+             "found corrupt or missing.", stats.dropped),
+        ):
+            family = CounterMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric([self.model_name], value)
+            yield family
 
     def _spec_decode(self, spec: SpecDecodeStats) -> Iterator[Metric]:
         """vLLM's speculative decoding counters (zero while speculation is off)."""
@@ -142,6 +170,11 @@ class Metrics:
                                  "Histogram of time spent in PREFILL phase for request.", REQUEST_LATENCY_BUCKETS)
         self.decode = histogram("vllm:request_decode_time_seconds",
                                 "Histogram of time spent in DECODE phase for request.", REQUEST_LATENCY_BUCKETS)
+        self.reasoning_tokens = self.request_reasoning_tokens = None
+        if engine.engine.config.reasoning_parser is not None:
+            self.reasoning_tokens = counter("ladle:reasoning_tokens", "Reasoning (think block) tokens generated.")
+            self.request_reasoning_tokens = histogram("ladle:request_reasoning_tokens",
+                                                      "Reasoning tokens per finished request.", lengths)
         # request id -> time of each sequence's latest token (None: no token yet); engine thread only
         self._last_token: dict[str, list[float | None]] = {}
 
@@ -188,6 +221,10 @@ class Metrics:
         self.decode.observe(last - first)
         self.request_prompt_tokens.observe(seqs[0].num_prompt_tokens)
         self.request_generation_tokens.observe(sum(s.num_output_tokens for s in seqs))
+        if self.reasoning_tokens is not None:
+            reasoning = sum(s.reasoning.num_reasoning_tokens for s in seqs if s.reasoning is not None)
+            self.reasoning_tokens.inc(reasoning)
+            self.request_reasoning_tokens.observe(reasoning)
         reason = seqs[0].finish_reason or "stop"
         counter = self.request_success.get(reason) or self._success.labels(self._model_name, reason)
         counter.inc()

@@ -16,7 +16,8 @@ from ladle.engine.async_engine import RequestStream
 from ladle.engine.sampling_params import SamplingParams
 from ladle.errors import InvalidRequestError
 from ladle.server.chat_prompt import chat_prompt
-from ladle.server.chat_tools import ChoiceDeltas, assistant_message
+from ladle.reasoning.parser import prompt_opens_reasoning
+from ladle.server.chat_tools import ChoiceDeltas, Thinking, assistant_message
 from ladle.server.constraints import ToolPlan, tool_plan_of
 from ladle.server.context import ServerContext, get_context
 from ladle.server.errors import validation_error
@@ -62,7 +63,7 @@ def _renames(req: ChatCompletionRequest | CompletionRequest) -> dict[str, str]:
     """Engine parameter names -> the request fields the client actually sent."""
     if isinstance(req, CompletionRequest):
         return {}
-    return {"prompt": "messages", "max_tokens": req.max_tokens_field}
+    return {"prompt": "messages", "max_tokens": req.max_tokens_field, "thinking_token_budget": req.budget_field}
 
 
 def _renamed(e: InvalidRequestError, renames: dict[str, str]) -> InvalidRequestError:
@@ -109,6 +110,7 @@ class ChatInputs:
     params: SamplingParams
     tools: ToolPlan | None
     lora: str | None  # the adapter `model` names
+    thinking: Thinking | None  # --reasoning-parser: how its replies split into reasoning and content
 
 
 def prepare_chat(ctx: ServerContext, req: ChatCompletionRequest) -> ChatInputs:
@@ -121,7 +123,9 @@ def prepare_chat(ctx: ServerContext, req: ChatCompletionRequest) -> ChatInputs:
     params = _sampling_params(ctx, req, tools)
     prompt = chat_prompt(ctx.chat_tokenizer, req.messages, req.add_generation_prompt,
                          req.continue_final_message, req.chat_template_kwargs, tools.tools if tools else None)
-    return ChatInputs(ctx.engine.tokenizer.encode(prompt), params, tools, model.lora)
+    tags = ctx.reasoning_tags
+    thinking = None if tags is None else Thinking(tags, prompt_opens_reasoning(prompt, tags))
+    return ChatInputs(ctx.engine.tokenizer.encode(prompt), params, tools, model.lora, thinking)
 
 
 async def submit_chat(ctx: ServerContext, request: Request, request_id: str, req: ChatCompletionRequest,
@@ -143,7 +147,7 @@ async def chat_completions(request: Request) -> Response:
     request_id = random_id("chatcmpl")
     stream = await submit_chat(ctx, request, request_id, req, inputs)
     if req.stream:
-        return sse_response(_chat_events(ctx, req, stream, tools, request_record(request)))
+        return sse_response(_chat_events(ctx, req, stream, inputs, request_record(request)))
     try:
         result, cached = await unless_disconnected(request, collect(stream, req.n))
     except ClientDisconnected:
@@ -151,20 +155,22 @@ async def chat_completions(request: Request) -> Response:
     request_record(request).output_tokens = sum(len(c.token_ids) for c in result.outputs)
     choices = []
     for c in result.outputs:
-        message, finish_reason = assistant_message(tools, c.text, c.finish_reason)
+        message, finish_reason = assistant_message(tools, c.text, c.finish_reason, inputs.thinking)
         choices.append(ChatChoice(index=c.index, message=message, finish_reason=finish_reason, stop_reason=c.stop_reason,
                                   logprobs=chat_logprobs(ctx.names, c.logprobs) if req.logprobs else None))
-    usage = Usage.of(len(ids), sum(len(c.token_ids) for c in result.outputs), cached)
+    reasoning = sum(c.num_reasoning_tokens or 0 for c in result.outputs) if inputs.thinking else None
+    usage = Usage.of(len(ids), sum(len(c.token_ids) for c in result.outputs), cached, reasoning)
     body = ChatCompletionResponse(id=request_id, model=req.model or ctx.model_name, choices=choices, usage=usage)
     return json_response(body)
 
 
 async def _chat_events(ctx: ServerContext, req: ChatCompletionRequest, stream: RequestStream,
-                       tools: ToolPlan | None, record: RequestRecord) -> AsyncIterator[str]:
+                       inputs: ChatInputs, record: RequestRecord) -> AsyncIterator[str]:
     created = int(time.time())
     exclude = None if req.include_usage else {"usage"}
     num_prompt_tokens = len(stream.prompt_token_ids)
     generated: dict[int, int] = {}  # completion tokens so far, per choice
+    reasoning: dict[int, int] = {}  # reasoning tokens so far, per choice
     choice_deltas: dict[int, ChoiceDeltas] = {}
 
     def event(choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
@@ -181,9 +187,11 @@ async def _chat_events(ctx: ServerContext, req: ChatCompletionRequest, stream: R
             for d in out.deltas:
                 if d.index not in generated:  # the first chunk of each choice carries the role
                     generated[d.index] = 0
-                    choice_deltas[d.index] = ChoiceDeltas(tools)
+                    choice_deltas[d.index] = ChoiceDeltas(inputs.tools, inputs.thinking)
                     yield event([ChatChunkChoice(index=d.index, delta=DeltaMessage(role="assistant", content=""))])
                 generated[d.index] += len(d.token_ids)
+                if d.num_reasoning_tokens is not None:
+                    reasoning[d.index] = d.num_reasoning_tokens
                 logprobs = chat_logprobs(ctx.names, d.logprobs) if req.logprobs and d.logprobs else None
                 deltas = choice_deltas[d.index]
                 delta = deltas.delta(d.text, last=d.finish_reason is not None)
@@ -195,7 +203,8 @@ async def _chat_events(ctx: ServerContext, req: ChatCompletionRequest, stream: R
                                              finish_reason=deltas.finish_reason(d.finish_reason),
                                              stop_reason=d.stop_reason)])
         if req.include_usage:
-            yield event([], Usage.of(num_prompt_tokens, sum(generated.values()), cached))
+            yield event([], Usage.of(num_prompt_tokens, sum(generated.values()), cached,
+                                     sum(reasoning.values()) if inputs.thinking else None))
     except Exception as e:
         yield sse_error(e)
     finally:

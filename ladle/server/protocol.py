@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 from ladle.engine.sampling_params import SamplingParams
 from ladle.errors import InvalidRequestError
+from ladle.reasoning.budget import EFFORT_BUDGETS
 from ladle.server.constraints import (
     NamedToolChoice, ResponseFormat, StructuredOutputsField, ToolDefinition, structured_outputs_of,
 )
@@ -62,6 +63,7 @@ class _Sampling(_Request):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     priority: int = 0
+    thinking_token_budget: int | None = None  # reasoning models (--reasoning-parser): tokens of thinking at most
     # output constraints (ladle.server.constraints): at most one of these
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsField | None = None
@@ -105,8 +107,12 @@ class _Sampling(_Request):
             stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
             stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
-            structured_outputs=structured_outputs_of(self),
+            structured_outputs=structured_outputs_of(self), thinking_token_budget=self.thinking_budget,
         )
+
+    @property
+    def thinking_budget(self) -> int | None:
+        return self.thinking_token_budget
 
 
 # -- /v1/chat/completions --------------------------------------------------------
@@ -156,6 +162,8 @@ class ChatCompletionRequest(_Sampling):
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # reasoning models (--reasoning-parser): OpenAI's effort levels, mapped to thinking budgets
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
     # vLLM extras
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -168,11 +176,24 @@ class ChatCompletionRequest(_Sampling):
         if self.continue_final_message and self.add_generation_prompt:
             raise InvalidRequestError("continue_final_message and add_generation_prompt cannot both be true",
                                       param="continue_final_message")
+        if self.reasoning_effort is not None and self.thinking_token_budget is not None:
+            raise InvalidRequestError("set reasoning_effort or thinking_token_budget, not both",
+                                      param="thinking_token_budget")
 
     def to_sampling_params(self) -> SamplingParams:
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self.sampling_params(max_tokens, logprobs)
+
+    @property
+    def thinking_budget(self) -> int | None:
+        if self.reasoning_effort is not None:
+            return EFFORT_BUDGETS[self.reasoning_effort]
+        return self.thinking_token_budget
+
+    @property
+    def budget_field(self) -> str:
+        return "reasoning_effort" if self.reasoning_effort is not None else "thinking_token_budget"
 
     @property
     def max_tokens_field(self) -> str:
@@ -239,17 +260,32 @@ class PromptTokensDetails(_Response):
     cached_tokens: int = 0
 
 
+class CompletionTokensDetails(_Response):
+    reasoning_tokens: int = 0
+
+
 class Usage(_Response):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
     prompt_tokens_details: PromptTokensDetails | None = None
+    completion_tokens_details: CompletionTokensDetails | None = None  # served with --reasoning-parser
 
     @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> "Usage":
+    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0,
+           reasoning_tokens: int | None = None) -> "Usage":
+        details = None if reasoning_tokens is None else CompletionTokensDetails(reasoning_tokens=reasoning_tokens)
         return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                    total_tokens=prompt_tokens + completion_tokens,
-                   prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens))
+                   prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
+                   completion_tokens_details=details)
+
+    @model_serializer(mode="wrap")
+    def _drop_unset_details(self, handler: Any) -> dict[str, Any]:
+        out = handler(self)
+        if out.get("completion_tokens_details") is None:
+            out.pop("completion_tokens_details", None)
+        return out
 
 
 class TopLogprob(_Response):
@@ -287,7 +323,15 @@ class ToolCallOut(_Response):
 class AssistantMessage(_Response):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None  # --reasoning-parser: the think block (left out when None)
     tool_calls: list[ToolCallOut] = Field(default_factory=list)
+
+    @model_serializer(mode="wrap")
+    def _drop_unset_reasoning(self, handler: Any) -> dict[str, Any]:
+        out = handler(self)
+        if out.get("reasoning_content") is None:
+            out.pop("reasoning_content", None)
+        return out
 
 
 class FunctionCallDelta(_Response):
@@ -332,6 +376,7 @@ class ChatCompletionResponse(_Response):
 class DeltaMessage(_Response):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
 
     @model_serializer(mode="wrap")

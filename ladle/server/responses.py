@@ -22,7 +22,7 @@ from pydantic import ValidationError
 
 from ladle.engine.async_engine import RequestStream
 from ladle.errors import InvalidRequestError
-from ladle.server.chat_tools import ChoiceDeltas, assistant_message
+from ladle.server.chat_tools import ChoiceDeltas, Thinking, assistant_message
 from ladle.server.constraints import ToolPlan
 from ladle.server.context import ServerContext, get_context
 from ladle.server.errors import APIError, api_error_of, validation_error
@@ -42,7 +42,8 @@ router = APIRouter()
 
 # a chat request's field -> the /v1/responses field the client sent
 _RENAMES = {"max_tokens": "max_output_tokens", "messages": "input", "prompt": "input",
-            "response_format": "text.format", "response_format.json_schema": "text.format"}
+            "response_format": "text.format", "response_format.json_schema": "text.format",
+            "reasoning_effort": "reasoning.effort"}
 
 
 # -- the request ----------------------------------------------------------------
@@ -114,7 +115,8 @@ def _chat_request(req: ResponsesRequest, conversation: list[ChatMessage]) -> Cha
     return ChatCompletionRequest(model=req.model, messages=system + conversation, max_tokens=req.max_output_tokens,
                                  temperature=req.temperature, top_p=req.top_p, user=req.user,
                                  response_format=req.text_format.response_format(), tools=tools,
-                                 tool_choice=req.chat_tool_choice(), parallel_tool_calls=req.parallel_tool_calls)
+                                 tool_choice=req.chat_tool_choice(), parallel_tool_calls=req.parallel_tool_calls,
+                                 reasoning_effort=req.reasoning.effort if req.reasoning is not None else None)
 
 
 @contextmanager
@@ -146,6 +148,7 @@ class Turn:
     id: str
     message_id: str
     created_at: int
+    thinking: Thinking | None = None  # --reasoning-parser: the think block is left out of the output, counted
 
     def body(self, status: str, output: list[OutputItem] | None = None, usage: ResponseUsage | None = None,
              error: ResponseError | None = None) -> ResponseObject:
@@ -155,12 +158,12 @@ class Turn:
             incomplete_details=IncompleteDetails(reason="max_output_tokens") if status == "incomplete" else None,
             instructions=req.instructions, max_output_tokens=req.max_output_tokens, output=output or [],
             parallel_tool_calls=req.parallel_tool_calls is not False, previous_response_id=req.previous_response_id,
-            store=req.store, temperature=self.temperature, top_p=self.top_p, text=req.text_echo(),
+            store=req.store, reasoning=req.reasoning, temperature=self.temperature, top_p=self.top_p, text=req.text_echo(),
             tool_choice=req.tool_choice or "auto", tools=req.tools or [], usage=usage, user=req.user,
             metadata=req.metadata or {})
 
     def finished(self, text: str, finish_reason: str | None, usage: ResponseUsage) -> ResponseObject:
-        reply, _ = assistant_message(self.tools, text, finish_reason)
+        reply, _ = assistant_message(self.tools, text, finish_reason, self.thinking)
         status = _status(finish_reason)
         return self.body(status, output_items(reply, self.message_id, status), usage)
 
@@ -197,7 +200,7 @@ async def create_response(request: Request) -> Response:
         inputs = prepare_chat(ctx, chat_req)
         stream = await submit_chat(ctx, request, turn_id, chat_req, inputs)
     turn = Turn(req, req.model or ctx.model_name, inputs.tools, conversation, inputs.params.temperature, inputs.params.top_p,
-                turn_id, openai_id("msg"), int(time.time()))
+                turn_id, openai_id("msg"), int(time.time()), inputs.thinking)
     if req.stream:
         return sse_response(_events(ctx, turn, stream, request_record(request)))
     try:
@@ -206,7 +209,7 @@ async def create_response(request: Request) -> Response:
         return Response(status_code=499)
     reply = result.outputs[0]
     request_record(request).output_tokens = len(reply.token_ids)
-    usage = ResponseUsage.of(len(inputs.prompt_ids), len(reply.token_ids), cached)
+    usage = ResponseUsage.of(len(inputs.prompt_ids), len(reply.token_ids), cached, reply.num_reasoning_tokens or 0)
     body = turn.finished(reply.text, reply.finish_reason, usage)
     _keep(ctx, turn, body)
     return json_response(body)
@@ -256,14 +259,15 @@ async def _events(ctx: ServerContext, turn: Turn, stream: RequestStream, record:
     started = turn.body("in_progress").model_dump(mode="json")
     yield event("response.created", response=started)
     yield event("response.in_progress", response=started)
-    output, deltas = StreamedOutput(event, turn.message_id), ChoiceDeltas(turn.tools)
-    output_tokens, cached, finish_reason = 0, 0, None
+    output, deltas = StreamedOutput(event, turn.message_id), ChoiceDeltas(turn.tools, turn.thinking)
+    output_tokens, cached, finish_reason, reasoning_tokens = 0, 0, None, 0
     try:
         async for out in stream:
             cached = out.num_cached_tokens
             for d in out.deltas:
                 output_tokens += len(d.token_ids)
                 finish_reason = d.finish_reason or finish_reason
+                reasoning_tokens = d.num_reasoning_tokens or reasoning_tokens
                 delta = deltas.delta(d.text, last=d.finish_reason is not None)
                 for e in output.feed(delta) if delta is not None else []:
                     yield e
@@ -278,7 +282,7 @@ async def _events(ctx: ServerContext, turn: Turn, stream: RequestStream, record:
         record.output_tokens = output_tokens
     for e in output.finish(_status(finish_reason)):
         yield e
-    usage = ResponseUsage.of(len(stream.prompt_token_ids), output_tokens, cached)
+    usage = ResponseUsage.of(len(stream.prompt_token_ids), output_tokens, cached, reasoning_tokens)
     body = turn.body(_status(finish_reason), output.items, usage)
     _keep(ctx, turn, body)  # before the last event: a client may continue the moment it reads it
     yield event(f"response.{body.status}", response=body.model_dump(mode="json"))

@@ -108,6 +108,15 @@ class TextFormat(_Closed):
             name=self.name or "response", description=self.description, schema=self.schema_, strict=self.strict))
 
 
+class ReasoningConfig(_Closed):
+    """A reasoning model's effort (served with --reasoning-parser): a thinking budget, as chat's
+    reasoning_effort maps it. The reasoning text itself is left out of the output; its tokens are
+    counted in usage.output_tokens_details.reasoning_tokens."""
+
+    effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    summary: None = None  # summaries are not produced
+
+
 class TextConfig(_Closed):
     format: TextFormat | None = None
 
@@ -135,7 +144,7 @@ class ResponsesRequest(_Closed):
     truncation: Literal["disabled"] | None = None
     include: list[str] | None = None
     background: bool | None = None
-    reasoning: None = None
+    reasoning: ReasoningConfig | None = None
 
     def check_supported(self) -> None:
         if self.include:
@@ -213,9 +222,10 @@ class ResponseUsage(_Response):
     total_tokens: int
 
     @classmethod
-    def of(cls, input_tokens: int, output_tokens: int, cached_tokens: int) -> "ResponseUsage":
+    def of(cls, input_tokens: int, output_tokens: int, cached_tokens: int, reasoning_tokens: int = 0) -> "ResponseUsage":
         return cls(input_tokens=input_tokens, output_tokens=output_tokens, total_tokens=input_tokens + output_tokens,
-                   input_tokens_details=InputTokensDetails(cached_tokens=cached_tokens))
+                   input_tokens_details=InputTokensDetails(cached_tokens=cached_tokens),
+                   output_tokens_details=OutputTokensDetails(reasoning_tokens=reasoning_tokens))
 
 
 class IncompleteDetails(_Response):
@@ -240,7 +250,7 @@ class ResponseObject(_Response):
     output: list[OutputItem] = Field(default_factory=list)
     parallel_tool_calls: bool = True
     previous_response_id: str | None = None
-    reasoning: None = None
+    reasoning: ReasoningConfig | None = None
     store: bool = True
     temperature: float
     top_p: float

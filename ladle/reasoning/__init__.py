@@ -1,0 +1,1 @@
+"""Reasoning models: think-block parsing and thinking budgets."""
