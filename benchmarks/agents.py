@@ -179,7 +179,7 @@ def report(agent: dict[str, dict], effort: dict, args) -> dict:
     return summary
 
 
-def plot(agent: dict, effort: dict, path: str) -> None:
+def plot(agent: dict, effort: dict, path: str, where: str | None = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -197,8 +197,8 @@ def plot(agent: dict, effort: dict, path: str) -> None:
     b.legend(fontsize=8)
     labels = list(effort)
     c.bar(labels, [effort[k]["ttft_p99_ms"] for k in labels], color=["grey", "tab:red", "tab:green"])
-    c.set(title="short requests' p99 TTFT beside long thinkers", ylabel="ms")
-    fig.suptitle(f"ladle agents and reasoning budgets: {machine()}", fontsize=9)
+    c.set(title="short requests' p99 TTFT beside long thinkers", ylabel="ms (log scale)", yscale="log")
+    fig.suptitle(f"ladle agents and reasoning budgets: {where or machine()}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     print(f"wrote {path}")
@@ -222,7 +222,12 @@ def main() -> None:
     p.add_argument("--max-high-effort-seqs", type=int, default=4)
     p.add_argument("--png", default="docs/agents.png")
     p.add_argument("--json", default=None)
+    p.add_argument("--replot", default=None, metavar="JSON", help="only redraw the PNG from a --json result")
     args = p.parse_args()
+    if args.replot:
+        saved = json.loads(Path(args.replot).read_text())
+        plot(saved["agent"], saved["effort"], args.png, saved["machine"])
+        return
     with tempfile.TemporaryDirectory(prefix="ladle-agents-") as tmp:
         work = Path(tmp)
         agent = {label: agent_run(args, label == "offload", work) for label in ("recompute", "offload")}

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from ladle.bench.datasets import (SampleRequest, agent_dataset, decisions_dataset, load_sharegpt, prefix_dataset,
                                   random_dataset, sharegpt_dataset)
@@ -67,9 +68,26 @@ def test_agent_sessions_grow():
         sessions.setdefault(r.session_id, []).append(r)
     assert sorted(len(s) for s in sessions.values()) == [3, 3, 4, 4]
     for turns in sessions.values():
+        assert [r.turn for r in turns] == list(range(len(turns)))
         for before, after in zip(turns, turns[1:]):
             assert after.prompt.startswith(before.prompt) and after.prompt_len > before.prompt_len
             assert "<tool_result>" in after.prompt[len(before.prompt):]
+
+
+def test_agent_think_times_are_seeded_with_the_mean_asked_for():
+    def times(seed: int, mean: float = 2.0) -> list[float]:
+        reqs = agent_dataset(np.random.default_rng(seed), 2000, turns=5, system_len=4, burst_len=4, output_len=1,
+                             tokens_per_word=1.0, think_time=mean)
+        assert all(r.think_time == 0 for r in reqs if r.turn == 0)  # nothing runs before a session's first turn
+        return [r.think_time for r in reqs if r.turn]
+
+    assert times(1) == times(1) != times(2)
+    assert len(times(1)) == 1600 and min(times(1)) > 0
+    assert np.mean(times(1)) == pytest.approx(2.0, rel=0.1)
+    assert np.std(times(1)) == pytest.approx(2.0, rel=0.15)  # exponential: as spread as its mean
+    assert not any(times(1, mean=0.0))
+    with pytest.raises(ValueError):
+        agent_dataset(np.random.default_rng(0), 4, 2, 4, 4, 1, 1.0, think_time=-1.0)
 
 
 def test_decisions_dataset_shape():

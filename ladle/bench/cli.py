@@ -217,7 +217,7 @@ async def _serve(args: argparse.Namespace) -> int:
           f"Maximum request concurrency: {load.max_concurrency}", flush=True)
     run = await run_load(info.target, requests, load, progress=not args.disable_tqdm)
     metrics = compute_metrics(run.results, run.duration, percentiles, slo or None)
-    metrics.update(agent_turn_metrics(run.results, [r.turn for r in requests]) or {})
+    metrics.update(agent_turn_metrics(run.results) or {})
     traffic = {"request_rate": "inf" if math.isinf(load.request_rate) else load.request_rate,
                "burstiness": load.burstiness, "max_concurrency": load.max_concurrency,
                "goodput_slo_ms": slo or None}
@@ -225,7 +225,7 @@ async def _serve(args: argparse.Namespace) -> int:
     shown = tuple(m.strip() for m in args.percentile_metrics.split(",") if m.strip() in LATENCY_METRICS)
     print(format_table(result, percentiles, shown))
     if "per_turn" in result:
-        print(format_turn_table(result["per_turn"]))
+        print(format_turn_table(result["per_turn"], result["agent"]))
     errors = [r.error for r in run.results if not r.success]
     for i, err in enumerate(errors[:5]):
         print(f"error {i}: {err}", file=sys.stderr)

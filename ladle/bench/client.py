@@ -5,8 +5,11 @@ Timing (as `vllm bench serve`, but counting only chunks that carry text):
 - ITL: the gaps between consecutive chunks with text;
 - E2EL: from sending to the last chunk with text (the trailing usage chunk and
   `[DONE]` are not part of the answer).
-Output tokens come from the final `usage` chunk (stream_options.include_usage);
-servers that send none are counted one token a text chunk.
+A reasoning model's thinking (delta.reasoning_content or delta.reasoning) is text
+too: its first token is the first token of the answer. Output tokens come from the
+final `usage` chunk (stream_options.include_usage); servers that send none are
+counted one token a text chunk. The usage's prompt_tokens_details.cached_tokens,
+when given, is the share of the prompt the server found in its prefix cache.
 """
 
 from __future__ import annotations
@@ -57,10 +60,11 @@ class RequestResult:
     itl: list[float] = field(default_factory=list)
     latency: float = 0.0  # E2EL, seconds
     start_time: float = 0.0  # time.perf_counter() when sent
-    queue_time: float = 0.0  # from scheduled arrival to sending (concurrency limit, session order)
+    queue_time: float = 0.0  # from arrival to sending: waiting for a --max-concurrency slot, or client lag
     generated_text: str = ""
-    reasoning_text: str = ""  # a reasoning model's delta.reasoning_content (it counts for TTFT and ITL too)
+    reasoning_text: str = ""  # a reasoning model's thinking (it counts for TTFT and ITL too)
     cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, when the server reports it
+    turn: int | None = None  # the request's turn in its agent session
 
 
 def make_http_client(target: Target, max_connections: int | None = None) -> httpx.AsyncClient:
@@ -104,7 +108,7 @@ async def _stream(http: httpx.AsyncClient, target: Target, req: SampleRequest) -
     endpoint = req.endpoint or target.endpoint
     chat = is_chat(endpoint)
     payload = build_payload(target, req)
-    out = RequestResult(prompt_len=req.prompt_len)
+    out = RequestResult(prompt_len=req.prompt_len, turn=req.turn)
     parts: list[str] = []
     reasoning: list[str] = []
     last = st = out.start_time = time.perf_counter()
@@ -129,7 +133,8 @@ async def _stream(http: httpx.AsyncClient, target: Target, req: SampleRequest) -
                 if choices:
                     delta = choices[0].get("delta") or {}
                     text = delta.get("content") if chat else choices[0].get("text")
-                    thought = delta.get("reasoning_content") if chat else None
+                    # reasoning_content (DeepSeek, ladle, older vLLM) or reasoning (vLLM since late 2025)
+                    thought = (delta.get("reasoning_content") or delta.get("reasoning")) if chat else None
                 if text or thought:
                     if parts or reasoning:
                         out.itl.append(now - last)
@@ -167,7 +172,7 @@ async def _stream(http: httpx.AsyncClient, target: Target, req: SampleRequest) -
 
 async def _post_json(http: httpx.AsyncClient, target: Target, req: SampleRequest) -> RequestResult:
     """A non-streaming request (decisions): its first and last byte are one answer, so TTFT = E2EL."""
-    out = RequestResult(prompt_len=req.prompt_len)
+    out = RequestResult(prompt_len=req.prompt_len, turn=req.turn)
     st = out.start_time = time.perf_counter()
     try:
         resp = await http.post(target.url(req.endpoint), json=build_payload(target, req))

@@ -162,9 +162,12 @@ def agent_dataset(rng: np.random.Generator, n: int, turns: int, system_len: int,
 
     The assistant's own replies are stood in for by the tool-call text, so a turn's prompt extends the
     previous prompt exactly (what a prefix cache can reuse), whatever the server generated. Sessions are
-    interleaved turn by turn; the runner sends a session's turns one after another, each `think_time`
-    seconds on average (exponentially distributed: the tool calls' run times) after the last answer.
+    interleaved turn by turn; the runner sends a session's turns one after another, each its own
+    `think_time` after the last answer: the tool calls' run times, exponentially distributed around the
+    mean `think_time` (0: none) and drawn from `rng`, so a seed gives the same waits every run.
     """
+    if think_time < 0:
+        raise ValueError("--agent-think-time must be at least 0")
     turns = max(turns, 1)
     system = f"You are a coding agent. Tools: {', '.join(AGENT_TOOLS)}.\n{random_text(rng, system_len, tokens_per_word)}"
     system_tokens = system_len + 20

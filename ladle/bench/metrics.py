@@ -119,45 +119,63 @@ def compute_metrics(results: list[RequestResult], duration: float, percentiles: 
     return out
 
 
-def agent_turn_metrics(results: list[RequestResult], turns: list[int | None]) -> dict[str, Any] | None:
-    """Agent sessions, turn by turn (`turns`: each result's turn index): TTFT, and how much of each
-    turn's prompt the server had cached or had to prefill again. None for runs without turns."""
-    if not any(t is not None for t in turns):
+def agent_turn_metrics(results: list[RequestResult]) -> dict[str, Any] | None:
+    """Agent sessions turn by turn: TTFT, and how much of each turn's prompt the server had cached
+    (usage.prompt_tokens_details.cached_tokens) or had to prefill again. None for runs without turns.
+
+    Cache figures count the successful requests whose server reported cached tokens, None where none did.
+    """
+    turns = sorted({r.turn for r in results if r.turn is not None})
+    if not turns:
         return None
-    by_turn: dict[int, list[RequestResult]] = {}
-    for r, t in zip(results, turns):
-        if r.success and t is not None:
-            by_turn.setdefault(t, []).append(r)
-    rows = []
-    for t in sorted(by_turn):
-        rs = by_turn[t]
-        ttft = np.asarray([r.ttft for r in rs]) * 1000.0
-        reported = [r for r in rs if r.cached_tokens is not None]
-        prompt, cached = sum(r.prompt_len for r in reported), sum(r.cached_tokens for r in reported)
-        rows.append({
-            "turn": t, "requests": len(rs),
-            "ttft_p50_ms": float(np.percentile(ttft, 50)), "ttft_p99_ms": float(np.percentile(ttft, 99)),
-            "prompt_tokens_mean": float(np.mean([r.prompt_len for r in rs])),
-            "cached_tokens_mean": float(np.mean([r.cached_tokens for r in reported])) if reported else None,
-            "prefix_hit_rate": cached / prompt if prompt else None,
-            "reprefilled_tokens_mean": (prompt - cached) / len(reported) if reported else None,
-        })
-    reported = [r for rs in by_turn.values() for r in rs if r.cached_tokens is not None]
-    later = [r for t, rs in by_turn.items() if t >= 1 for r in rs if r.cached_tokens is not None]
-    prompt = sum(r.prompt_len for r in reported)
+    ok = [r for r in results if r.success and r.turn is not None]
+    reported = [r for r in ok if r.cached_tokens is not None]
+    later = [r for r in reported if r.turn >= 1]
     totals = {
-        "prefix_hit_rate": sum(r.cached_tokens for r in reported) / prompt if prompt else None,
-        "reprefilled_tokens_total": sum(r.prompt_len - r.cached_tokens for r in reported),
-        # turns with a previous context: what a prefix cache (and its second tier) should spare
-        "reprefilled_tokens_per_turn_mean": (float(np.mean([r.prompt_len - r.cached_tokens for r in later]))
-                                             if later else None),
+        "prefix_hit_rate": _hit_rate(reported),
+        "reprefilled_tokens_total": sum(_reprefilled(r) for r in reported) if reported else None,
+        # turns with a previous context: what a prefix cache (and a second KV tier) should spare
+        "reprefilled_tokens_per_turn_mean": _mean([_reprefilled(r) for r in later]),
     }
-    return {"per_turn": rows, "agent": totals}
+    return {"per_turn": [_turn_row(t, [r for r in ok if r.turn == t]) for t in turns], "agent": totals}
+
+
+def _turn_row(turn: int, ok: list[RequestResult]) -> dict[str, Any]:
+    ttft_ms = [r.ttft * 1000.0 for r in ok]
+    reported = [r for r in ok if r.cached_tokens is not None]
+    return {
+        "turn": turn,
+        "requests": len(ok),
+        "ttft_p50_ms": _percentile(ttft_ms, 50),
+        "ttft_p99_ms": _percentile(ttft_ms, 99),
+        "prompt_tokens_mean": _mean([r.prompt_len for r in ok]),
+        "cached_tokens_mean": _mean([r.cached_tokens for r in reported]),
+        "prefix_hit_rate": _hit_rate(reported),
+        "reprefilled_tokens_mean": _mean([_reprefilled(r) for r in reported]),
+    }
+
+
+def _reprefilled(r: RequestResult) -> int:
+    """Prompt tokens the server had to prefill: all but those its prefix cache held."""
+    return r.prompt_len - (r.cached_tokens or 0)
+
+
+def _hit_rate(reported: list[RequestResult]) -> float | None:
+    prompt = sum(r.prompt_len for r in reported)
+    return sum(r.cached_tokens or 0 for r in reported) / prompt if prompt else None
+
+
+def _mean(values: list[float]) -> float | None:
+    return float(np.mean(values)) if values else None
+
+
+def _percentile(values: list[float], p: float) -> float | None:
+    return float(np.percentile(values, p)) if values else None
 
 
 def per_request_fields(results: list[RequestResult]) -> dict[str, list[Any]]:
-    """The per-request arrays `vllm bench serve --save-detailed` writes."""
-    return {
+    """The per-request arrays `vllm bench serve --save-detailed` writes, and ladle's own when present."""
+    fields: dict[str, list[Any]] = {
         "input_lens": [r.prompt_len for r in results],
         "output_lens": [r.output_tokens if r.success else 0 for r in results],
         "ttfts": [r.ttft for r in results],
@@ -166,6 +184,11 @@ def per_request_fields(results: list[RequestResult]) -> dict[str, list[Any]]:
         "start_times": [r.start_time for r in results],
         "queue_times": [r.queue_time for r in results],
         "generated_texts": [r.generated_text for r in results],
-        "cached_tokens": [r.cached_tokens for r in results],
         "errors": [r.error for r in results],
     }
+    # figures only some servers and datasets have
+    if any(r.cached_tokens is not None for r in results):
+        fields["cached_tokens"] = [r.cached_tokens for r in results]
+    if any(r.turn is not None for r in results):
+        fields["turns"] = [r.turn for r in results]
+    return fields

@@ -124,19 +124,26 @@ def _json_default(value: Any) -> Any:
     return str(value)
 
 
-def format_turn_table(per_turn: list[dict[str, Any]]) -> str:
-    """Agent sessions turn by turn: TTFT, and the prompt tokens cached or prefilled again."""
-    lines = ["{s:{c}^{n}}".format(s=" Agent turns ", n=72, c="="),
-             "{:>4} {:>5} {:>11} {:>11} {:>9} {:>9} {:>10} {:>12}".format(
-                 "turn", "reqs", "TTFT p50ms", "TTFT p99ms", "prompt", "cached", "hit rate", "re-prefilled")]
-
-    def num(v: Any, fmt: str) -> str:
-        return "-" if v is None else format(v, fmt)
-
+def format_turn_table(per_turn: list[dict[str, Any]], agent: dict[str, Any] | None = None) -> str:
+    """Agent sessions turn by turn (metrics.agent_turn_metrics): TTFT, and the prompt tokens the server
+    had cached or prefilled again; "-" where the server reported no cached tokens."""
+    columns = "{:>4} {:>5} {:>11} {:>11} {:>9} {:>9} {:>9} {:>12}"
+    lines = ["{s:{c}^{n}}".format(s=" Agent Turns ", n=76, c="="),
+             columns.format("turn", "reqs", "TTFT p50ms", "TTFT p99ms", "prompt", "cached", "hit rate",
+                            "re-prefilled")]
     for t in per_turn:
-        lines.append("{:>4} {:>5} {:>11} {:>11} {:>9} {:>9} {:>10} {:>12}".format(
-            t["turn"], t["requests"], num(t["ttft_p50_ms"], ".1f"), num(t["ttft_p99_ms"], ".1f"),
-            num(t["prompt_tokens_mean"], ".0f"), num(t["cached_tokens_mean"], ".0f"),
-            num(t["prefix_hit_rate"], ".1%"), num(t["reprefilled_tokens_mean"], ".0f")))
-    lines.append("=" * 72)
+        lines.append(columns.format(
+            t["turn"], t["requests"], _num(t["ttft_p50_ms"], ".1f"), _num(t["ttft_p99_ms"], ".1f"),
+            _num(t["prompt_tokens_mean"], ".0f"), _num(t["cached_tokens_mean"], ".0f"),
+            _num(t["prefix_hit_rate"], ".1%"), _num(t["reprefilled_tokens_mean"], ".0f")))
+    if agent is not None:
+        lines.append("-" * 76)
+        lines.append(f"all turns: hit rate {_num(agent['prefix_hit_rate'], '.1%')}, re-prefilled "
+                     f"{_num(agent['reprefilled_tokens_total'], '.0f')} tokens, "
+                     f"{_num(agent['reprefilled_tokens_per_turn_mean'], '.0f')} a turn after the first")
+    lines.append("=" * 76)
     return "\n".join(lines)
+
+
+def _num(value: Any, fmt: str) -> str:
+    return "-" if value is None else format(value, fmt)

@@ -4,8 +4,12 @@ Arrivals follow vLLM's `bench serve`: all at once for an infinite rate, else
 gamma-distributed gaps with shape `burstiness` and mean 1/rate (burstiness 1 is
 a Poisson process, below 1 burstier, above 1 more regular), rescaled so the last
 arrival lands at n/rate. A request waits for a free slot when --max-concurrency
-is reached, and an agent turn also waits for its session's previous turn and then its
-think time (the tool call's run): it counts as arriving once that has passed.
+is reached.
+
+Agent sessions: a session's first turn arrives on the schedule like any request;
+each later turn arrives `think_time` seconds (its tool call's run) after the
+previous turn's answer ended, whatever its own slot in the schedule. Neither the
+wait for the previous answer nor the think time counts as queue time or TTFT.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ class LoadSpec:
 class LoadRun:
     results: list[RequestResult]  # in the order of the requests given
     duration: float  # from the start of the schedule to the last answer, seconds
-    arrival_span: float  # the last scheduled arrival, seconds after the start
+    arrival_span: float  # the last scheduled arrival (later agent turns have none), seconds after the start
 
 
 def arrival_times(n: int, request_rate: float, burstiness: float, rng: np.random.Generator) -> np.ndarray:
@@ -63,31 +67,35 @@ async def run_load(target: Target, requests: list[SampleRequest], load: LoadSpec
 
     async with make_http_client(target, load.max_concurrency) as http:
 
-        async def one(req: SampleRequest, arrived: float, before: asyncio.Task | None) -> RequestResult:
-            if before is not None:
+        async def one(req: SampleRequest, at: float, before: asyncio.Task | None) -> RequestResult:
+            if before is None:  # a lone request or a session's first turn: on the schedule
+                arrival = start + at
+                await asyncio.sleep(max(arrival - time.perf_counter(), 0.0))
+            else:
                 await asyncio.wait([before])  # the session's previous turn, whatever its outcome
-                if req.think_time > 0:  # the tool runs; the turn exists once it is done
-                    await asyncio.sleep(req.think_time)
-                    arrived = max(arrived, time.perf_counter())
+                arrival = time.perf_counter() + req.think_time  # the turn exists once the tool has run
+                await asyncio.sleep(req.think_time)
             if slots is None:
                 result = await send(http, target, req)
             else:
                 async with slots:
                     result = await send(http, target, req)
-            result.queue_time = max(result.start_time - arrived, 0.0)
+            result.queue_time = max(result.start_time - arrival, 0.0)
             bar.update(1)
             return result
 
         tasks: list[asyncio.Task] = []
         last_turn: dict[int, asyncio.Task] = {}
+        arrival_span = 0.0
         start = time.perf_counter()
         try:
+            # every request waits in its own task, so a session's next turn is never held up
+            # behind a later request's slot
             for req, at in zip(requests, arrivals):
-                delay = start + float(at) - time.perf_counter()
-                if delay > 0:
-                    await asyncio.sleep(delay)
                 before = last_turn.get(req.session_id) if req.session_id is not None else None
-                task = asyncio.create_task(one(req, start + float(at), before))
+                if before is None:
+                    arrival_span = float(at)
+                task = asyncio.create_task(one(req, float(at), before))
                 if req.session_id is not None:
                     last_turn[req.session_id] = task
                 tasks.append(task)
@@ -97,4 +105,4 @@ async def run_load(target: Target, requests: list[SampleRequest], load: LoadSpec
                 task.cancel()
             bar.close()
         duration = time.perf_counter() - start
-    return LoadRun(results=results, duration=duration, arrival_span=float(arrivals[-1]) if len(arrivals) else 0.0)
+    return LoadRun(results=results, duration=duration, arrival_span=arrival_span)
