@@ -8,7 +8,7 @@ from typing import Any, Sequence
 
 from ladle.config import EngineConfig
 from ladle.engine.engine import LLMEngine
-from ladle.engine.request import StepOutput, TokenLogprob
+from ladle.engine.request import RequestTimings, StepOutput, TokenLogprob
 from ladle.engine.sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -44,9 +44,11 @@ class GenerationResult:
     outputs: list[Completion]
     prompt_logprobs: list[TokenLogprob | None] | None = None
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache (vLLM's RequestOutput field)
+    timings: RequestTimings | None = None  # when it passed each stage, once finished
 
     def absorb(self, out: StepOutput) -> None:
         self.num_cached_tokens = out.num_cached_tokens
+        self.timings = out.timings or self.timings
         if out.prompt_logprobs is not None:
             self.prompt_logprobs = out.prompt_logprobs
         for d in out.deltas:

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from ladle.engine.admission import CompletionRate, QueueFullError
-from ladle.engine.async_engine import AsyncEngine, EngineStoppedError, RequestAbortedError, StepReport
+from ladle.engine.async_engine import AsyncEngine, EngineStoppedError, StepReport
 from ladle.engine.request import CompletionDelta, StepOutput
 from ladle.engine.sampling_params import SamplingParams
 from ladle.errors import InvalidRequestError
@@ -53,10 +53,10 @@ class ScriptedEngine:
     def abort_request(self, request_id):
         self.threads.add(threading.get_ident())
         if self.requests.pop(request_id, None) is None:
-            return False
+            return None
         self.aborted.append(request_id)
         self.kv.num_free_blocks += 1
-        return True
+        return StepOutput(request_id, [1], [CompletionDelta(0, [], "", [], "abort")], finished=True)
 
     def has_unfinished_requests(self):
         return bool(self.requests)
@@ -146,9 +146,8 @@ def test_abort_by_someone_else_ends_the_reader(scripted) -> None:
         stream = await ae.add_request("x", [1], SamplingParams(max_tokens=10_000))
         await stream.__anext__()
         ae.abort("x")
-        with pytest.raises(RequestAbortedError):
-            async for _ in stream:
-                pass
+        rest = [out async for out in stream]
+        assert rest[-1].finished and rest[-1].deltas[-1].finish_reason == "abort"
 
     asyncio.run(main())
 

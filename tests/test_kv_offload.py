@@ -79,7 +79,8 @@ def test_an_evicted_session_is_restored_and_continues_as_never_evicted(smollm2_d
     assert tier.stats.stored >= 11  # turn 1's prompt blocks went to disk
     # and came back (those the tree had not kept) rather than recomputed: the whole prefix is a hit
     assert tier.stats.restored >= 5 and cached >= 176
-    assert cached == want_cached
+    # every whole block is back; a partly filled last block stays only in the tree, never on disk
+    assert cached == want_cached // 16 * 16
     assert out == want_out
     if deterministic:  # restored K/V are the bits that were computed: the logprobs too
         assert [lp.logprob for lp in logprobs] == [lp.logprob for lp in want_logprobs]

@@ -1,6 +1,7 @@
-"""`ladle bench serve | sweep`: load-test any OpenAI-compatible server (ladle, vLLM, SGLang, llama.cpp).
+"""`ladle bench serve | sweep | voice`: load-test any OpenAI-compatible server (ladle, vLLM, SGLang, llama.cpp).
 
-Flags follow `vllm bench serve` where it has them, so the numbers compare.
+Flags follow `vllm bench serve` where it has them, so the numbers compare. `voice` replays voice-agent
+turn scripts in real time, answering at the end of turn or drafting eagerly (ladle.bench.voice).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import asyncio
 import json
 import math
 import sys
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -22,12 +24,15 @@ from ladle.bench.metrics import (
 from ladle.bench.report import format_table, format_turn_table, provenance, result_path, timestamp, write_json
 from ladle.bench.runner import LoadSpec, run_load
 from ladle.bench.sweep import BY, SweepSpec, run_sweep
+from ladle.bench.voice import CANCEL_MODES, CHAT, MODES, VoiceSpec, run_voice, summarize
+from ladle.bench.voice_report import format_voice_table
+from ladle.bench.voice_script import load_scripts, replicate
 
 PROBE_SEED_OFFSET = 999_983  # the initial test request comes from its own draw, not the benchmark's prompts
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    sub = parser.add_subparsers(dest="bench_command", metavar="{serve,sweep}")
+    sub = parser.add_subparsers(dest="bench_command", metavar="{serve,sweep,voice}")
     serve = sub.add_parser("serve", help="one benchmark run: throughput, goodput and latency percentiles")
     _add_common(serve, num_prompts=1000)
     serve.add_argument("--request-rate", type=float, default=math.inf,
@@ -47,6 +52,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="goodput must stay within this fraction of the offered load for the knee")
     sweep.add_argument("--stop-fraction", type=float, default=0.5, help="stop once goodput < this x its peak")
     sweep.add_argument("--no-plot", action="store_true", help="skip the PNG")
+
+    voice = sub.add_parser("voice", help="replay voice-agent turn scripts in real time: wait for the end of "
+                                         "turn vs eager drafts")
+    _add_voice(voice)
 
 
 def _add_common(p: argparse.ArgumentParser, num_prompts: int) -> None:
@@ -114,11 +123,52 @@ def _add_common(p: argparse.ArgumentParser, num_prompts: int) -> None:
     o.add_argument("--result-filename", default=None)
 
 
+def _add_voice(p: argparse.ArgumentParser) -> None:
+    p.set_defaults(endpoint=CHAT)
+    t = p.add_argument_group("target")
+    t.add_argument("--base-url", default=None, help="server root, e.g. http://127.0.0.1:8000 (a trailing /v1 is fine)")
+    t.add_argument("--host", default="127.0.0.1")
+    t.add_argument("--port", type=int, default=8000)
+    t.add_argument("--model", default=None, help="served model name (default: the first of /v1/models)")
+    t.add_argument("--api-key", default=None, help="bearer token (default: $OPENAI_API_KEY)")
+    t.add_argument("--header", nargs="*", metavar="KEY=VALUE", help="extra HTTP headers")
+    t.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
+
+    s = p.add_argument_group("scripts and modes")
+    s.add_argument("--script", nargs="+", default=None, metavar="PATH",
+                   help="turn-script JSONL files, folders of them, or shipped script names (default: all shipped)")
+    s.add_argument("--modes", default=",".join(MODES), help="comma-separated, of wait and eager")
+    s.add_argument("--cancel", choices=CANCEL_MODES, default="disconnect",
+                   help="how drafts are cancelled: close the stream, or POST /v1/requests/{id}/cancel (ladle)")
+    s.add_argument("--repeat", type=int, default=1, help="replays of the scripts per mode")
+    s.add_argument("--max-concurrency", type=int, default=4, help="conversations at once")
+    s.add_argument("--copies", type=int, default=1,
+                   help="callers per conversation in each pass (each its own call), to load the server as more "
+                        "simultaneous calls would; raise --max-concurrency with it")
+    s.add_argument("--turn-gap", type=float, default=0.3, metavar="SECONDS",
+                   help="from a reply's end to the caller's next turn (without a barge-in)")
+    s.add_argument("--server-timings", action="store_true",
+                   help='ask for the server\'s "timings" (ladle: include_timings) and record them')
+    s.add_argument("--skip-warmup", action="store_true", help="do not warm the system prompts first")
+
+    r = p.add_argument_group("requests")
+    r.add_argument("--max-tokens", type=int, default=64)
+    r.add_argument("--temperature", type=float, default=0.0)
+    r.add_argument("--seed", type=int, default=0, help="sent as the requests' seed")
+    r.add_argument("--extra-body", type=json.loads, default=None, help="JSON merged into every request body")
+    r.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
+
+    o = p.add_argument_group("output")
+    o.add_argument("--result-dir", default=None)
+    o.add_argument("--result-filename", default=None)
+    o.add_argument("--plot", default=None, metavar="PATH", help="write the latency distributions as a PNG")
+
+
 def run(args: argparse.Namespace) -> int:
     if args.bench_command is None:
-        print("usage: ladle bench {serve,sweep} ... (ladle bench serve --help)", file=sys.stderr)
+        print("usage: ladle bench {serve,sweep,voice} ... (ladle bench serve --help)", file=sys.stderr)
         return 2
-    main = _serve if args.bench_command == "serve" else _sweep
+    main = {"serve": _serve, "sweep": _sweep, "voice": _voice}[args.bench_command]
     try:
         return asyncio.run(main(args))
     except (RuntimeError, ValueError, OSError) as e:
@@ -275,3 +325,47 @@ async def _sweep(args: argparse.Namespace) -> int:
               f"stopped: {sweep['stop_reason']}")
     return 0
 
+
+async def _voice(args: argparse.Namespace) -> int:
+    spec = VoiceSpec(modes=tuple(m.strip() for m in args.modes.split(",") if m.strip()), cancel=args.cancel,
+                     repeat=args.repeat, max_concurrency=args.max_concurrency, max_tokens=args.max_tokens,
+                     temperature=args.temperature, seed=args.seed, turn_gap=args.turn_gap,
+                     server_timings=args.server_timings, warmup=not args.skip_warmup)
+    spec.validate()
+    if args.copies < 1:
+        raise ValueError("--copies must be at least 1")
+    conversations = replicate(load_scripts(args.script), args.copies)
+    target = Target(base_url=_base_url(args), model=args.model or "", endpoint=CHAT, api_key=args.api_key,
+                    extra_body=args.extra_body or {}, headers=_pairs(args.header, "--header"),
+                    timeout_s=args.request_timeout)
+    info = await discover(target, calibrate=False)
+    turns = sum(len(c.turns) for c in conversations)
+    print(f"Voice scripts: {len(conversations)} conversations, {turns} turns; modes {', '.join(spec.modes)} "
+          f"in interleaved passes, {spec.repeat} per mode", flush=True)
+    run = await run_voice(info.target, conversations, spec, progress=not args.disable_tqdm)
+    flags = {k: v for k, v in vars(args).items() if k != "bench_command"}
+    result = {
+        "date": timestamp(), "backend": "openai-chat", "label": "voice", "model_id": info.target.model,
+        "base_url": info.target.base_url, "endpoint": CHAT, "conversation_names": [c.name for c in conversations],
+        "conversations": len(conversations), "turns_per_pass": turns, "modes": list(spec.modes),
+        "order": "interleaved", "passes": run.passes, "repeat": spec.repeat, "max_concurrency": spec.max_concurrency,
+        "copies": args.copies, "cancel": spec.cancel, "max_tokens": spec.max_tokens, "temperature": spec.temperature,
+        "turn_gap": spec.turn_gap, "server_timings": spec.server_timings, "duration": run.duration,
+        "failed_requests": run.failed_requests, **summarize(run, spec.modes),
+        "turns": [asdict(r) for r in run.turns], "errors": run.errors,
+        "provenance": provenance(flags, info.target.model, info.version, subcommand="voice"),
+    }
+    print(format_voice_table(result))
+    for i, err in enumerate(run.errors[:5]):
+        print(f"error {i}: {err}", file=sys.stderr)
+    name = f"voice-concurrency{spec.max_concurrency}-{_model_stem(info.target.model)}-{result['date']}.json"
+    path = result_path(args.result_dir, args.result_filename, name)
+    write_json(path, result)
+    print(f"result written to {path}")
+    if args.plot:
+        from ladle.bench.voice_report import plot_voice
+
+        Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
+        plot_voice(result, args.plot)
+        print(f"plot written to {args.plot}")
+    return 0 if run.failed_requests == 0 else 1

@@ -35,10 +35,6 @@ class EngineStoppedError(RuntimeError):
     """The engine thread is gone (shut down, or it failed); the request cannot finish."""
 
 
-class RequestAbortedError(RuntimeError):
-    """Someone other than the reader aborted the request (the reader's own abort just ends it)."""
-
-
 @dataclass(frozen=True)
 class EngineSnapshot:
     """Engine state as of the last step or queue drain; safe to read from any thread."""
@@ -326,8 +322,12 @@ class AsyncEngine:
                 self._fail_all(ops, EngineStoppedError("the engine was shut down"))
                 return
             self._apply(ops)
-            self._publish()
+            snapshot = self._publish()
             if not engine.has_unfinished_requests():
+                if self._aborted and self._listeners:  # no step to carry them: report the aborts now
+                    now = time.time()
+                    self._notify(StepReport([], now, now, snapshot, {}, self._aborted))
+                self._aborted = []
                 continue
             started = time.time()
             outputs = engine.step()
@@ -354,11 +354,11 @@ class AsyncEngine:
             if isinstance(op, _Abort):
                 stream = self._streams.pop(op.request_id, None)
                 self._sequences.pop(op.request_id, None)
-                if self.engine.abort_request(op.request_id):
+                last = self.engine.abort_request(op.request_id)
+                if last is not None:
                     self._aborted.append(op.request_id)
-                    if stream is not None:
-                        error = RequestAbortedError(f"request {op.request_id} was aborted")
-                        _call_soon(stream._loop, stream._put, error)
+                    if stream is not None:  # a reader still reading (someone else aborted) sees it end
+                        _call_soon(stream._loop, stream._put, last)
                 continue
             try:
                 ids = self.engine.add_request(op.request_id, op.prompt, op.params, op.priority,

@@ -14,7 +14,7 @@ import torch
 
 from ladle.config import EngineConfig
 from ladle.engine.kv_cache import KVCacheManager
-from ladle.engine.request import CompletionDelta, Sequence, StepOutput, TokenLogprob
+from ladle.engine.request import CompletionDelta, RequestTimings, Sequence, StepOutput, TokenLogprob
 from ladle.engine.sampling_params import SamplingParams
 from ladle.engine.scheduler import Scheduler
 from ladle.engine.stop import OutputTextTracker
@@ -260,16 +260,25 @@ class LLMEngine:
             seq.reasoning = self.reasoning.tracker(tail, budget)
         return seq
 
-    def abort_request(self, request_id: str) -> bool:
-        """Drop a request wherever it is; its blocks are free on return."""
+    def abort_request(self, request_id: str) -> StepOutput | None:
+        """Drop a request wherever it is; its blocks are free on return (what it computed stays in
+        the prefix cache). Returns the output its reader sees last, where its unfinished sequences
+        end with finish_reason "abort"; None for a request that is not here."""
         seqs = self.requests.pop(request_id, None)
-        for seq in seqs or []:
+        if seqs is None:
+            return None
+        for seq in seqs:
             if not seq.is_finished:
                 seq.finish_reason = "abort"
                 self.scheduler.finish(seq)
-        if seqs and seqs[0].lora is not None:
+        if seqs[0].lora is not None:
             self.loras.unpin(seqs[0].lora)
-        return seqs is not None
+        first = seqs[0]
+        deltas = [CompletionDelta(index=s.index, token_ids=[], text="", logprobs=[], finish_reason="abort")
+                  for s in seqs if s.finish_reason == "abort"]
+        return StepOutput(request_id=request_id, prompt_token_ids=first.prompt_token_ids, deltas=deltas,
+                          finished=True, num_cached_tokens=first.num_cached_tokens, arrival_time=first.arrival_time,
+                          timings=RequestTimings.of(seqs))
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -459,4 +468,5 @@ class LLMEngine:
             prompt_logprobs, first.prompt_logprobs_sent = first.prompt_logprobs, True
         return StepOutput(request_id=request_id, prompt_token_ids=first.prompt_token_ids, deltas=deltas,
                           finished=finished, num_cached_tokens=first.num_cached_tokens,
-                          prompt_logprobs=prompt_logprobs, arrival_time=first.arrival_time)
+                          prompt_logprobs=prompt_logprobs, arrival_time=first.arrival_time,
+                          timings=RequestTimings.of(seqs) if finished else None)

@@ -293,7 +293,12 @@ class KVCacheManager:
             self._evict_one()
         return self.pool.take_free()
 
-    def free(self, seq: Sequence) -> None:
+    def free(self, seq: Sequence, keep_partial: bool = False) -> None:
+        """Let go of seq's blocks. With keep_partial (a finished or cancelled sequence, never a
+        preempted one) its last, partly filled block stays cached too, so a prompt that extends
+        seq's tokens copies them instead of computing them again."""
+        if keep_partial and self.cache is not None:
+            self._cache_partial_block(seq)
         # Tail first: leaves become evictable before their parents, and the free list
         # hands a sequence's blocks out in order again.
         for b in reversed(seq.block_table):
@@ -301,6 +306,25 @@ class KVCacheManager:
         seq.block_table = []
         seq.num_cached_blocks = 0
         seq.pending_copy = seq.in_step_copy = None
+
+    def _cache_partial_block(self, seq: Sequence) -> None:
+        """Enter seq's partly filled last block as a leaf keyed by the tokens it holds. Only where
+        that is safe: its K/V were written (no copy into it still pending), its full blocks are all
+        in the tree (else it has no parent there), and no other sequence writes to it."""
+        computed = seq.num_computed_tokens if self.cache_outputs else min(seq.num_computed_tokens,
+                                                                          seq.num_prompt_tokens)
+        full, rest = divmod(computed, self.block_size)
+        if (not rest or len(seq.block_table) <= full or seq.num_cached_blocks != full
+                or seq.pending_copy is not None or seq.in_step_copy is not None):
+            return
+        block = seq.block_table[full]
+        if self.pool.ref_counts[block] != 1:
+            return
+        parent = self.cache.by_block.get(seq.block_table[full - 1]) if full else None
+        if full and parent is None:
+            return
+        key = tuple(seq.token_ids[full * self.block_size : computed])
+        self.cache.insert(parent, key, block, seq.canonical, seq.adapter_id)  # the same tokens cached: a no-op
 
     def _ref(self, block_id: int) -> None:
         if self.pool.ref(block_id) and self.cache is not None and self.cache.contains_block(block_id):
@@ -319,7 +343,7 @@ class KVCacheManager:
     def _evict_one(self) -> None:
         node = self.cache.evict_lru(lambda b: self.pool.ref_counts[b] == 0) if self.cache else None
         assert node is not None, "no block to evict although the count said there was"
-        if self.offload is not None:  # before anything can write over it
+        if self.offload is not None and len(node.key) == self.block_size:  # before anything writes over it
             self.offload.tier.store(node.digest, self.offload.block_views(node.block_id), node.canonical)
         self.num_cached_unreferenced -= 1
         self.stats.evictions += 1

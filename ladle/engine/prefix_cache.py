@@ -6,6 +6,12 @@ held by no sequence stay in the tree, reusable, until the pool needs room: then 
 least recently used unreferenced leaves go first. "Recently used" is the moment a
 block lost its last reference: `evictable` keeps that order, so eviction is O(1).
 
+A finished or cancelled sequence also leaves its last, partly filled block behind as a
+leaf whose key is shorter than a block: lookups of whole blocks never meet it, but
+`partial_match` does, so a prompt that extends the sequence's tokens copies those K/V
+instead of computing them again. Partial leaves are evicted like any other leaf and
+never go to the second tier.
+
 A node is canonical when a canonical sequence (scoring, --deterministic) computed its
 block. Canonical sequences match canonical nodes only, so what they compute never
 depends on K/V that batched generation computed; a canonical block computed later for a

@@ -136,6 +136,25 @@ class CompletionDelta:
     num_reasoning_tokens: int | None = None  # --reasoning-parser: the sequence's reasoning tokens so far
 
 
+@dataclass(frozen=True)
+class RequestTimings:
+    """When a finished request passed each stage (time.time() seconds; None: it never got there)."""
+
+    arrival: float
+    first_scheduled: float | None
+    first_token: float | None
+    last_token: float | None
+
+    @classmethod
+    def of(cls, seqs: list["Sequence"]) -> "RequestTimings":
+        def earliest(times: list[float | None]) -> float | None:
+            return min((t for t in times if t is not None), default=None)
+
+        last = [s.last_token_time for s in seqs if s.last_token_time is not None]
+        return cls(arrival=seqs[0].arrival_time, first_scheduled=earliest([s.first_scheduled_time for s in seqs]),
+                   first_token=earliest([s.first_token_time for s in seqs]), last_token=max(last, default=None))
+
+
 @dataclass
 class StepOutput:
     """Everything one request produced in one engine step."""
@@ -147,3 +166,4 @@ class StepOutput:
     num_cached_tokens: int = 0
     prompt_logprobs: list[TokenLogprob | None] | None = None  # set once, with the first output
     arrival_time: float = field(default_factory=time.time)
+    timings: RequestTimings | None = None  # set once finished

@@ -228,7 +228,7 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.kv.free(seq)
+        self.kv.free(seq, keep_partial=True)
         seq.status = SeqStatus.FINISHED
 
 

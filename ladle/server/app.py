@@ -12,7 +12,7 @@ from ladle import __version__
 from ladle.decisions import routes as decision_routes
 from ladle.decisions.extensions import Extensions
 from ladle.engine.async_engine import AsyncEngine
-from ladle.server import embeddings, lora_routes, openai_routes, responses, utility_routes
+from ladle.server import cancel, embeddings, lora_routes, openai_routes, responses, utility_routes
 from ladle.server.context import ServerContext
 from ladle.server.errors import install_error_handlers
 from ladle.server.middleware import APIKeyMiddleware, BodyLimitMiddleware, RequestLogMiddleware, RootPathMiddleware
@@ -22,7 +22,7 @@ from ladle.server.response_store import DEFAULT_MAX_STORED_RESPONSES
 from ladle.server.webui import router as webui_router
 
 DEFAULT_MAX_BODY_BYTES = 16 * 2**20
-ROUTERS = (openai_routes.router, responses.router, utility_routes.router, decision_routes.router, embeddings.router,
+ROUTERS = (openai_routes.router, cancel.router, responses.router, utility_routes.router, decision_routes.router, embeddings.router,
            lora_routes.router)
 
 

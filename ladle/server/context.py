@@ -15,6 +15,7 @@ from ladle.model.hub import parse_hub_id
 from ladle.model.tokenizer import Tokenizer
 from ladle.reasoning.parser import ThinkTags, tags_for
 from ladle.server.errors import APIError
+from ladle.server.live import LiveRequests
 from ladle.server.logprobs import TokenNames
 from ladle.server.metrics import Metrics
 from ladle.server.protocol import MAX_LOGPROBS
@@ -46,6 +47,7 @@ class ServerContext:
     metrics: Metrics = field(init=False)
     chat_tokenizer: Tokenizer = field(init=False)  # the tokenizer chat prompts are rendered with
     responses: ResponseStore = field(init=False)  # /v1/responses kept for previous_response_id
+    live: LiveRequests = field(default_factory=LiveRequests)  # what POST /v1/requests/{id}/cancel may name
 
     def __post_init__(self) -> None:
         if not 0 <= self.max_logprobs <= MAX_LOGPROBS:

@@ -183,8 +183,9 @@ class Metrics:
 
     def on_step(self, report: StepReport) -> None:
         """The step listener (engine thread)."""
-        for request_id in report.aborted:
+        for request_id in report.aborted:  # as vLLM: an aborted request counts under finished_reason="abort"
             self._last_token.pop(request_id, None)
+            self.request_success["abort"].inc()
         generated = 0
         for out in report.outputs:
             seqs = report.sequences.get(out.request_id)

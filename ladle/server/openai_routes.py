@@ -13,6 +13,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ValidationError
 
 from ladle.engine.async_engine import RequestStream
+from ladle.engine.request import RequestTimings
 from ladle.engine.sampling_params import SamplingParams
 from ladle.errors import InvalidRequestError
 from ladle.server.chat_prompt import chat_prompt
@@ -21,12 +22,14 @@ from ladle.server.chat_tools import ChoiceDeltas, Thinking, assistant_message
 from ladle.server.constraints import ToolPlan, tool_plan_of
 from ladle.server.context import ServerContext, get_context
 from ladle.server.errors import validation_error
+from ladle.server.live import Tracked
 from ladle.server.logprobs import CompletionLogprobsBuilder, chat_logprobs
 from ladle.server.middleware import RequestRecord, request_record
 from ladle.server.openapi import schemas
 from ladle.server.protocol import (
     ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
-    ChatCompletionResponse, CompletionChoice, CompletionRequest, CompletionResponse, DeltaMessage, Usage, random_id,
+    ChatCompletionResponse, CompletionChoice, CompletionRequest, CompletionResponse, DeltaMessage, Timings, Usage,
+    random_id,
 )
 from ladle.server.streaming import (
     DONE, ClientDisconnected, abort_all, collect, merge, sse_error, sse_event, sse_response, unless_disconnected,
@@ -57,6 +60,11 @@ async def parse_body(request: Request, model: type[M]) -> M:
 
 def json_response(body: BaseModel) -> Response:
     return Response(body.model_dump_json(), media_type="application/json")
+
+
+def _response_id(prefix: str, req: ChatCompletionRequest | CompletionRequest) -> str:
+    """The client's request_id under the route's prefix (as vLLM names it), else a fresh one."""
+    return f"{prefix}-{req.request_id}" if req.request_id else random_id(prefix)
 
 
 def _renames(req: ChatCompletionRequest | CompletionRequest) -> dict[str, str]:
@@ -144,14 +152,17 @@ async def chat_completions(request: Request) -> Response:
     req = await parse_body(request, ChatCompletionRequest)
     inputs = prepare_chat(ctx, req)
     ids, tools = inputs.prompt_ids, inputs.tools
-    request_id = random_id("chatcmpl")
+    request_id = _response_id("chatcmpl", req)
     stream = await submit_chat(ctx, request, request_id, req, inputs)
+    tracked = ctx.live.add([request_id, req.request_id], [stream.request_id])
     if req.stream:
-        return sse_response(_chat_events(ctx, req, stream, inputs, request_record(request)))
+        return sse_response(_chat_events(ctx, req, stream, inputs, request_record(request), tracked))
     try:
         result, cached = await unless_disconnected(request, collect(stream, req.n))
     except ClientDisconnected:
         return Response(status_code=499)
+    finally:
+        ctx.live.remove(tracked)
     request_record(request).output_tokens = sum(len(c.token_ids) for c in result.outputs)
     choices = []
     for c in result.outputs:
@@ -159,13 +170,17 @@ async def chat_completions(request: Request) -> Response:
         choices.append(ChatChoice(index=c.index, message=message, finish_reason=finish_reason, stop_reason=c.stop_reason,
                                   logprobs=chat_logprobs(ctx.names, c.logprobs) if req.logprobs else None))
     reasoning = sum(c.num_reasoning_tokens or 0 for c in result.outputs) if inputs.thinking else None
-    usage = Usage.of(len(ids), sum(len(c.token_ids) for c in result.outputs), cached, reasoning)
-    body = ChatCompletionResponse(id=request_id, model=req.model or ctx.model_name, choices=choices, usage=usage)
+    completion_tokens = sum(len(c.token_ids) for c in result.outputs)
+    usage = Usage.of(len(ids), completion_tokens, cached, reasoning)
+    timings = Timings.of([result.timings], len(ids), cached, completion_tokens) \
+        if req.include_timings and result.timings else None
+    body = ChatCompletionResponse(id=request_id, model=req.model or ctx.model_name, choices=choices, usage=usage,
+                                  timings=timings)
     return json_response(body)
 
 
 async def _chat_events(ctx: ServerContext, req: ChatCompletionRequest, stream: RequestStream,
-                       inputs: ChatInputs, record: RequestRecord) -> AsyncIterator[str]:
+                       inputs: ChatInputs, record: RequestRecord, tracked: Tracked) -> AsyncIterator[str]:
     created = int(time.time())
     exclude = None if req.include_usage else {"usage"}
     num_prompt_tokens = len(stream.prompt_token_ids)
@@ -173,17 +188,17 @@ async def _chat_events(ctx: ServerContext, req: ChatCompletionRequest, stream: R
     reasoning: dict[int, int] = {}  # reasoning tokens so far, per choice
     choice_deltas: dict[int, ChoiceDeltas] = {}
 
-    def event(choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
-        if usage is None and req.continuous_usage:  # vLLM: the usage of the chunk's choice so far
+    def event(choices: list[ChatChunkChoice], usage: Usage | None = None, timings: Timings | None = None) -> str:
+        if usage is None and req.continuous_usage and choices:  # vLLM: the usage of the chunk's choice so far
             usage = _running_usage(num_prompt_tokens, generated.get(choices[0].index, 0))
         chunk = ChatCompletionChunk(id=stream.request_id, created=created, model=req.model or ctx.model_name,
-                                    choices=choices, usage=usage)
+                                    choices=choices, usage=usage, timings=timings)
         return sse_event(chunk, exclude)
 
-    cached = 0
+    cached, stages = 0, None
     try:
         async for out in stream:
-            cached = out.num_cached_tokens
+            cached, stages = out.num_cached_tokens, out.timings or stages
             for d in out.deltas:
                 if d.index not in generated:  # the first chunk of each choice carries the role
                     generated[d.index] = 0
@@ -202,13 +217,18 @@ async def _chat_events(ctx: ServerContext, req: ChatCompletionRequest, stream: R
                 yield event([ChatChunkChoice(index=d.index, delta=delta, logprobs=logprobs,
                                              finish_reason=deltas.finish_reason(d.finish_reason),
                                              stop_reason=d.stop_reason)])
+        timings = Timings.of([stages], num_prompt_tokens, cached, sum(generated.values())) \
+            if req.include_timings and stages else None
         if req.include_usage:
             yield event([], Usage.of(num_prompt_tokens, sum(generated.values()), cached,
-                                     sum(reasoning.values()) if inputs.thinking else None))
+                                     sum(reasoning.values()) if inputs.thinking else None), timings)
+        elif timings is not None:
+            yield event([], timings=timings)
     except Exception as e:
         yield sse_error(e)
     finally:
         stream.abort()  # a client that left (cancellation lands here) frees its blocks at once
+        ctx.live.remove(tracked)
         record.output_tokens = sum(generated.values())
     yield DONE
 
@@ -229,7 +249,7 @@ async def completions(request: Request) -> Response:
     tok = ctx.engine.tokenizer
     prompt_ids = [tok.encode(p, add_special_tokens=req.add_special_tokens) if isinstance(p, str) else list(p)
                   for p in prompts]
-    request_id = random_id("cmpl")
+    request_id = _response_id("cmpl", req)
     streams: list[RequestStream] = []
     try:
         for i, ids in enumerate(prompt_ids):
@@ -244,12 +264,15 @@ async def completions(request: Request) -> Response:
     # only now are token id prompts known to be valid
     prompt_texts = [p if isinstance(p, str) else tok.decode(p, skip_special_tokens=False) if req.echo else ""
                     for p in prompts]
+    tracked = ctx.live.add([request_id, req.request_id], [s.request_id for s in streams])
     if req.stream:
-        return sse_response(_completion_events(ctx, req, request_id, streams, prompt_texts, record))
+        return sse_response(_completion_events(ctx, req, request_id, streams, prompt_texts, record, tracked))
     try:
         results = await unless_disconnected(request, _collect_all(streams, req.n))
     except ClientDisconnected:
         return Response(status_code=499)
+    finally:
+        ctx.live.remove(tracked)
     choices, completion_tokens, cached = [], 0, 0
     for i, (result, n_cached) in enumerate(results):
         cached += n_cached
@@ -267,7 +290,10 @@ async def completions(request: Request) -> Response:
                                             finish_reason=c.finish_reason, stop_reason=c.stop_reason))
     record.output_tokens = completion_tokens
     usage = Usage.of(sum(len(ids) for ids in prompt_ids), completion_tokens, cached)
-    body = CompletionResponse(id=request_id, model=req.model or ctx.model_name, choices=choices, usage=usage)
+    timings = Timings.of([r.timings for r, _ in results if r.timings], usage.prompt_tokens, cached,
+                         completion_tokens) if req.include_timings else None
+    body = CompletionResponse(id=request_id, model=req.model or ctx.model_name, choices=choices, usage=usage,
+                              timings=timings)
     return json_response(body)
 
 
@@ -291,16 +317,19 @@ def _prompt_logprobs(lps: list | None, num_prompt_tokens: int) -> list:
 
 async def _completion_events(ctx: ServerContext, req: CompletionRequest, request_id: str,
                              streams: list[RequestStream], prompt_texts: list[str],
-                             record: RequestRecord) -> AsyncIterator[str]:
+                             record: RequestRecord, tracked: Tracked) -> AsyncIterator[str]:
     created = int(time.time())
     exclude = None if req.include_usage else {"usage"}
     builders: dict[int, CompletionLogprobsBuilder] = {}
     prompt_lps: dict[int, list] = {}
     generated: dict[int, int] = {}  # completion tokens so far, per choice
     cached: dict[int, int] = {}
+    stages: dict[int, RequestTimings] = {}
     try:
         async for i, out in merge(streams):
             cached[i] = out.num_cached_tokens
+            if out.timings is not None:
+                stages[i] = out.timings
             if out.prompt_logprobs is not None:
                 prompt_lps.setdefault(i, out.prompt_logprobs)
             for d in out.deltas:
@@ -324,14 +353,17 @@ async def _completion_events(ctx: ServerContext, req: CompletionRequest, request
                          if req.continuous_usage else None)
                 yield sse_event(CompletionResponse(id=request_id, created=created, model=req.model or ctx.model_name,
                                                    choices=[choice], usage=usage), exclude)
-        if req.include_usage:
-            usage = Usage.of(sum(len(s.prompt_token_ids) for s in streams), sum(generated.values()),
-                             sum(cached.values()))
-            yield sse_event(CompletionResponse(id=request_id, created=created, model=req.model or ctx.model_name, choices=[],
-                                               usage=usage))
+        prompt_tokens = sum(len(s.prompt_token_ids) for s in streams)
+        usage = Usage.of(prompt_tokens, sum(generated.values()), sum(cached.values())) if req.include_usage else None
+        timings = Timings.of(list(stages.values()), prompt_tokens, sum(cached.values()),
+                             sum(generated.values())) if req.include_timings and stages else None
+        if usage is not None or timings is not None:
+            yield sse_event(CompletionResponse(id=request_id, created=created, model=req.model or ctx.model_name,
+                                               choices=[], usage=usage, timings=timings), exclude)
     except Exception as e:
         yield sse_error(e)
     finally:
         abort_all(streams)
+        ctx.live.remove(tracked)
         record.output_tokens = sum(generated.values())
     yield DONE

@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
+from ladle.engine.request import RequestTimings
 from ladle.engine.sampling_params import SamplingParams
 from ladle.errors import InvalidRequestError
 from ladle.reasoning.budget import EFFORT_BUDGETS
@@ -63,6 +64,10 @@ class _Sampling(_Request):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     priority: int = 0
+    # a client-chosen id: the response id becomes "<prefix>-<request_id>", and
+    # POST /v1/requests/{request_id}/cancel stops the request (ladle.server.cancel)
+    request_id: str | None = Field(None, min_length=1, max_length=256, pattern=r"^[A-Za-z0-9._:-]+$")
+    include_timings: bool = False  # ladle: add the server-side stages ("timings") to the response
     thinking_token_budget: int | None = None  # reasoning models (--reasoning-parser): tokens of thinking at most
     # output constraints (ladle.server.constraints): at most one of these
     response_format: ResponseFormat | None = None
@@ -264,6 +269,48 @@ class CompletionTokensDetails(_Response):
     reasoning_tokens: int = 0
 
 
+class Timings(_Response):
+    """include_timings: where a request's time went on the server, in ms from its arrival at the engine
+    (after parsing and tokenizing): queued until first scheduled, prefill until the first token (cached
+    prompt tokens were not computed), and the first and last tokens. None: the stage was never reached."""
+
+    queued_ms: float | None = None
+    prefill_ms: float | None = None
+    first_token_ms: float | None = None
+    last_token_ms: float | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+
+    @classmethod
+    def of(cls, timings: list[RequestTimings], prompt_tokens: int, cached_tokens: int,
+           completion_tokens: int) -> "Timings":
+        """One request's figures; a request with several prompts counts from the earliest arrival."""
+        def ms(later: float | None, earlier: float | None) -> float | None:
+            return None if later is None or earlier is None else round((later - earlier) * 1000, 3)
+
+        def first(times: list[float | None]) -> float | None:
+            return min((t for t in times if t is not None), default=None)
+
+        arrival = first([t.arrival for t in timings])
+        scheduled, first_token = first([t.first_scheduled for t in timings]), first([t.first_token for t in timings])
+        last_token = max((t.last_token for t in timings if t.last_token is not None), default=None)
+        return cls(queued_ms=ms(scheduled, arrival), prefill_ms=ms(first_token, scheduled),
+                   first_token_ms=ms(first_token, arrival), last_token_ms=ms(last_token, arrival),
+                   prompt_tokens=prompt_tokens, cached_tokens=cached_tokens, completion_tokens=completion_tokens)
+
+
+class _Timed(_Response):
+    """A response that carries `timings` only when the request asked for them."""
+
+    @model_serializer(mode="wrap")
+    def _drop_unset_timings(self, handler: Any) -> dict[str, Any]:
+        out = handler(self)
+        if out.get("timings", 0) is None:
+            out.pop("timings")
+        return out
+
+
 class Usage(_Response):
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -364,13 +411,14 @@ class ChatChoice(_Response):
     stop_reason: int | str | None = None
 
 
-class ChatCompletionResponse(_Response):
+class ChatCompletionResponse(_Timed):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    timings: Timings | None = None
 
 
 class DeltaMessage(_Response):
@@ -393,13 +441,14 @@ class ChatChunkChoice(_Response):
     stop_reason: int | str | None = None
 
 
-class ChatCompletionChunk(_Response):
+class ChatCompletionChunk(_Timed):
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+    timings: Timings | None = None
 
 
 class CompletionChoice(_Response):
@@ -410,13 +459,22 @@ class CompletionChoice(_Response):
     stop_reason: int | str | None = None
 
 
-class CompletionResponse(_Response):
+class CompletionResponse(_Timed):
     id: str
     object: Literal["text_completion"] = "text_completion"
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
+    timings: Timings | None = None
+
+
+class CancelResponse(_Response):
+    """POST /v1/requests/{request_id}/cancel: the request named was running and is cancelled."""
+
+    id: str
+    object: Literal["request.cancelled"] = "request.cancelled"
+    cancelled: bool = True
 
 
 # -- /tokenize, /detokenize, /v1/models ------------------------------------------
