@@ -26,6 +26,16 @@ from ladle.cli import main as ladle_main
 # ---------------------------------------------------------------- the fake server
 
 
+async def read_body(receive: Any) -> bytes:
+    """An ASGI request's whole body."""
+    raw = b""
+    while True:
+        msg = await receive()
+        raw += msg.get("body", b"")
+        if not msg.get("more_body"):
+            return raw
+
+
 class FakeOpenAI:
     """ASGI app: streaming /v1/completions on a fixed schedule, from the moment a request is admitted:
     the first text chunk after `ttft`, then one every `itl` (absolute deadlines, so jitter does not
@@ -52,12 +62,7 @@ class FakeOpenAI:
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return
-        raw = b""
-        while True:
-            msg = await receive()
-            raw += msg.get("body", b"")
-            if not msg.get("more_body"):
-                break
+        raw = await read_body(receive)
         body = json.loads(raw) if raw else {}
         path = scope["path"]
         self.bodies.append((path, body))

@@ -15,7 +15,7 @@ from ladle.bench.client import Target
 from ladle.bench.voice import TurnRecord, VoiceRun, VoiceSpec, pass_order, played_text, run_voice
 from ladle.bench.voice_script import load_scripts, normalize, parse_script, replicate, transcripts_match
 from ladle.cli import main as ladle_main
-from test_bench import serve
+from test_bench import read_body, serve
 
 REPLY = ("Sure thing, I can help with that. Let me check what we have available for you this evening, "
          "it should only take a moment while I look through the bookings for the whole week ahead.")
@@ -60,12 +60,7 @@ class FakeChat:
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return
-        raw = b""
-        while True:
-            msg = await receive()
-            raw += msg.get("body", b"")
-            if not msg.get("more_body"):
-                break
+        raw = await read_body(receive)
         path = scope["path"]
         if path == "/v1/models":
             await _json(send, {"object": "list", "data": [{"id": "fake-model", "object": "model"}]})

@@ -18,6 +18,7 @@ import json
 import os
 import time
 from dataclasses import dataclass, field
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
@@ -100,8 +101,28 @@ async def send(http: httpx.AsyncClient, target: Target, req: SampleRequest) -> R
     return await _stream(http, target, req)
 
 
-def _http_error(status: int, body: bytes) -> str:
+def http_error(status: int, body: bytes) -> str:
     return f"HTTP {status}: {body.decode('utf-8', 'replace')[:300]}"
+
+
+async def sse_chunks(resp: httpx.Response) -> AsyncIterator[tuple[float, dict[str, Any]]]:
+    """The JSON events of a server-sent event stream up to [DONE], each with its arrival time
+    (time.perf_counter()). An error event ends the stream with StreamError."""
+    async for line in resp.aiter_lines():
+        now = time.perf_counter()
+        if not line.startswith("data:"):
+            continue  # blank separators, SSE comments (pings), event names
+        data = line[5:].strip()
+        if data == "[DONE]":
+            return
+        chunk = json.loads(data)
+        if chunk.get("error"):
+            raise StreamError(f"error in stream: {json.dumps(chunk['error'])[:300]}")
+        yield now, chunk
+
+
+class StreamError(Exception):
+    """The server sent an error event in the middle of a stream."""
 
 
 async def _stream(http: httpx.AsyncClient, target: Target, req: SampleRequest) -> RequestResult:
@@ -115,19 +136,9 @@ async def _stream(http: httpx.AsyncClient, target: Target, req: SampleRequest) -
     try:
         async with http.stream("POST", target.url(endpoint), json=payload) as resp:
             if resp.status_code != 200:
-                out.error = _http_error(resp.status_code, await resp.aread())
+                out.error = http_error(resp.status_code, await resp.aread())
                 return out
-            async for line in resp.aiter_lines():
-                now = time.perf_counter()
-                if not line.startswith("data:"):
-                    continue  # blank separators, SSE comments (pings), event names
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                chunk = json.loads(data)
-                if chunk.get("error"):
-                    out.error = f"error in stream: {json.dumps(chunk['error'])[:300]}"
-                    return out
+            async for now, chunk in sse_chunks(resp):
                 choices = chunk.get("choices") or []
                 text = thought = None
                 if choices:
@@ -155,6 +166,9 @@ async def _stream(http: httpx.AsyncClient, target: Target, req: SampleRequest) -
                     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
                     if cached is not None:
                         out.cached_tokens = int(cached)
+    except StreamError as e:
+        out.error = str(e)
+        return out
     except Exception as e:  # noqa: BLE001 - any failure is recorded, the run goes on
         out.error = f"{type(e).__name__}: {e}"
         return out
@@ -179,7 +193,7 @@ async def _post_json(http: httpx.AsyncClient, target: Target, req: SampleRequest
         body = await resp.aread()
         out.latency = out.ttft = time.perf_counter() - st
         if resp.status_code != 200:
-            out.error = _http_error(resp.status_code, body)
+            out.error = http_error(resp.status_code, body)
             return out
         data = json.loads(body)
     except Exception as e:  # noqa: BLE001

@@ -37,7 +37,6 @@ from __future__ import annotations
 import asyncio
 import bisect
 import itertools
-import json
 import re
 import secrets
 import time
@@ -49,7 +48,7 @@ import httpx
 import numpy as np
 from tqdm import tqdm
 
-from ladle.bench.client import Target, make_http_client
+from ladle.bench.client import StreamError, Target, http_error, make_http_client, sse_chunks
 from ladle.bench.voice_script import Conversation, Turn, transcripts_match
 
 CHAT = "/v1/chat/completions"
@@ -275,21 +274,12 @@ class _Replayer:
         try:
             async with self.http.stream("POST", self.target.url(CHAT), json=body) as resp:
                 if resp.status_code != 200:
-                    text = (await resp.aread()).decode("utf-8", "replace")[:300]
-                    reply.error = f"HTTP {resp.status_code}: {text}"
+                    reply.error = http_error(resp.status_code, await resp.aread())
                     return
-                async for line in resp.aiter_lines():
-                    now = time.perf_counter()
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == "[DONE]":
-                        break
-                    chunk = json.loads(data)
-                    if chunk.get("error"):
-                        reply.error = f"error in stream: {json.dumps(chunk['error'])[:300]}"
-                        return
+                async for now, chunk in sse_chunks(resp):
                     reply.add(chunk, now)
+        except StreamError as e:
+            reply.error = str(e)
         except asyncio.CancelledError:
             if not reply.stopping:
                 raise  # the run itself is being cancelled
