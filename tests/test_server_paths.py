@@ -57,10 +57,11 @@ def test_deterministic_and_schedule_policy_flags_take_effect() -> None:
     args = parse("--deterministic", "--schedule-policy", "priority", "--max-num-seqs", "1", "--num-kv-blocks", "64")
     with own_server(engine_config_from_args(args)) as server, sdk(server) as client:
         # --deterministic: generated tokens' K/V never enter the prefix cache, only the prompt's blocks
+        # (its partly filled last one included)
         r = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=40, temperature=0,
                                            extra_body={"ignore_eos": True})
         assert r.usage.completion_tokens == 40
-        assert server.wait_idle()["num_cached_blocks"] == r.usage.prompt_tokens // BLOCK
+        assert server.wait_idle()["num_cached_blocks"] == -(-r.usage.prompt_tokens // BLOCK)
 
         # --schedule-policy priority (one sequence at a time): an urgent request preempts a running one
         # and finishes first; first come, first served would make it wait for the long one
