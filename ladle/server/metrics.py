@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from ladle.engine.async_engine import AsyncEngine, StepReport
-from ladle.engine.request import Sequence
+from ladle.engine.request import RequestTimings, Sequence
 from ladle.spec_decode.stats import SpecDecodeStats
 
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -211,10 +211,11 @@ class Metrics:
             self.generation_tokens.inc(generated)
 
     def _finished(self, seqs: list[Sequence]) -> None:
-        arrival = seqs[0].arrival_time
-        scheduled = min(s.first_scheduled_time or arrival for s in seqs)
-        first = _first_token_time(seqs)
-        last = max(s.last_token_time or first for s in seqs)
+        t = RequestTimings.of(seqs)
+        arrival = t.arrival
+        scheduled = t.first_scheduled or arrival
+        first = t.first_token or arrival
+        last = t.last_token or first
         self.e2e.observe(last - arrival)
         self.queue.observe(scheduled - arrival)
         self.inference.observe(last - scheduled)
