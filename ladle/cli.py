@@ -15,6 +15,7 @@ SUBCOMMANDS = {
     "bench": ("ladle.bench.cli", "load-test any OpenAI-compatible server"),
     "calibrate": ("ladle.calibrate.cli", "fit a calibration of decision probabilities on labelled data"),
     "heads": ("ladle.heads.cli", "fit a learned decision head on the model's hidden states"),
+    "router": ("ladle.router.cli", "route requests over several OpenAI-compatible workers, cache-aware"),
     "chat": ("ladle.chat", "chat in the terminal with a model in this process or at an OpenAI-compatible URL"),
 }
 
@@ -33,7 +34,9 @@ def main(argv: list[str] | None = None) -> int:
     module = importlib.import_module(SUBCOMMANDS[argv[0]][0])
     cmd_parser = argparse.ArgumentParser(prog=f"ladle {argv[0]}", description=SUBCOMMANDS[argv[0]][1])
     module.add_arguments(cmd_parser)
-    return int(module.run(cmd_parser.parse_args(argv[1:])) or 0)
+    args = cmd_parser.parse_args(argv[1:])
+    args.argv = argv[1:]  # as typed: `ladle serve --data-parallel-size N` hands them on to each replica
+    return int(module.run(args) or 0)
 
 
 def _version() -> str:

@@ -6,6 +6,7 @@ import argparse
 import os
 from dataclasses import dataclass, field
 
+from ladle.distributed.transfer_config import KVTransferConfig
 from ladle.reasoning.parser import REASONING_PARSERS
 from ladle.spec_decode.config import SpeculativeConfig
 
@@ -53,8 +54,12 @@ class EngineConfig:
     # the second KV tier (ladle.engine.kv_offload): evicted prefix blocks kept on local disk
     kv_offload_gib: float = 0.0  # 0: off
     kv_offload_dir: str | None = None  # where its files go (a private folder inside; None: the system temp dir)
+    # disaggregated prefill/decode (ladle.distributed): this worker's role; None: serves whole requests only
+    kv_transfer_config: KVTransferConfig | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.kv_transfer_config, (dict, str)):
+            self.kv_transfer_config = KVTransferConfig.parse(self.kv_transfer_config)
         if isinstance(self.speculative_config, (dict, str)):  # LLM(speculative_config={...}), as vLLM takes it
             self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if self.scheduling_policy not in SCHEDULING_POLICIES:
@@ -170,6 +175,11 @@ def add_engine_arguments(parser) -> None:
                         "and read back on a later prefix hit instead of recomputed (0: off)")
     g.add_argument("--kv-offload-dir", default=None,
                    help="folder for the tier's files (a private subfolder, removed at exit; default: the temp dir)")
+    g = parser.add_argument_group("disaggregated prefill/decode")
+    g.add_argument("--kv-transfer-config", default=None, metavar="JSON",
+                   help='this worker\'s role, as vLLM takes it: \'{"kv_role": "kv_producer", "kv_port": 14579}\' '
+                        "(a prefill worker serving its K/V over TCP), kv_consumer (a decode worker fetching it) "
+                        "or kv_both; behind `ladle router --prefill URL --decode URL`")
 
 
 def lora_modules(specs: list[str]) -> dict[str, str]:
@@ -206,4 +216,5 @@ def engine_config_from_args(args) -> EngineConfig:
         reasoning_parser=args.reasoning_parser, thinking_token_budget=args.thinking_token_budget,
         max_high_effort_seqs=args.max_high_effort_seqs, high_effort_tokens=args.high_effort_tokens,
         kv_offload_gib=args.kv_offload_gib, kv_offload_dir=args.kv_offload_dir,
+        kv_transfer_config=KVTransferConfig.parse(args.kv_transfer_config) if args.kv_transfer_config else None,
     )

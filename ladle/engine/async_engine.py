@@ -26,6 +26,7 @@ from ladle.lora.adapter import AdapterRef
 from ladle.spec_decode.stats import SpecDecodeStats
 
 if TYPE_CHECKING:
+    from ladle.engine.kv_events import KVEventLog
     from ladle.engine.adapter_engine import AdapterEngine
 
 log = logging.getLogger("ladle")
@@ -200,6 +201,11 @@ class AsyncEngine:
 
     def remove_step_listener(self, listener: StepListener) -> None:
         self._listeners = [x for x in self._listeners if x is not listener]
+
+    @property
+    def kv_events(self) -> "KVEventLog | None":
+        """The prefix cache's stored and evicted blocks (thread-safe); None without a prefix cache."""
+        return self.engine.kv_events
 
     def snapshot(self) -> EngineSnapshot:
         return self._snapshot

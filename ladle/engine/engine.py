@@ -14,6 +14,9 @@ import torch
 
 from ladle.config import EngineConfig
 from ladle.engine.kv_cache import KVCacheManager
+from ladle.engine.handoff import HandoffStats, KVExports, KVHandoff, block_writer, export_handoff, handoff_mismatch
+from ladle.engine.kv_events import KVEventLog
+from ladle.engine.prefix_cache import root_digest
 from ladle.engine.request import CompletionDelta, RequestTimings, Sequence, StepOutput, TokenLogprob
 from ladle.engine.sampling_params import SamplingParams
 from ladle.engine.scheduler import Scheduler
@@ -81,6 +84,7 @@ class LLMEngine:
         self.max_model_len = min(model_len, pool_tokens, self.model_config.max_position_embeddings)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
                                  cache_outputs=not config.deterministic)
+        self.kv_events = self._start_kv_events()
         self.scheduler = Scheduler(config, self.kv)
         self.runner = ModelRunner(self.model_config, load_weights(folder, self.dtype.dtype), num_blocks,
                                   config.block_size, self.kv_dtype, config.quantization)
@@ -98,7 +102,19 @@ class LLMEngine:
                                  num_blocks, config.block_size) if spec is not None else None
         self.requests: dict[str, list[Sequence]] = {}
         self.stats = EngineStats()
+        transfer = config.kv_transfer_config
+        self.kv_exports = KVExports(transfer.kv_buffer_size) if transfer is not None and transfer.produces else None
+        self.handoffs = HandoffStats()
+        self._handed_over: list[tuple[str, CompletionDelta]] = []  # first tokens of handoffs, sent next step
         self._seq_ids = itertools.count()
+
+    def _start_kv_events(self) -> KVEventLog | None:
+        """The log of blocks the prefix cache stores and evicts (GET /v1/kv_events); None without one."""
+        if self.kv.cache is None:
+            return None
+        events = KVEventLog(self.config.block_size, root_digest(0).hex())
+        self.kv.cache.listener = events
+        return events
 
     def _start_lora(self) -> LoRARegistry:
         c = self.config
@@ -205,16 +221,37 @@ class LLMEngine:
             params = replace(params, max_tokens=max_tokens)
         arrival = time.time() if arrival_time is None else arrival_time
         grammar = self.grammars.compile(params.structured_outputs) if params.structured_outputs else None
+        handoff, params = params.kv_handoff, replace(params, kv_handoff=None)
         seqs = [self._new_sequence(request_id, i, ids, params, priority, arrival, adapter) for i in range(params.n)]
         for seq in seqs if grammar is not None else ():
             seq.grammar = GrammarState(grammar)
         if adapter is not None:
             self._pin(adapter)
+        if handoff is not None:
+            self._continue_from(seqs[0], handoff)
         self.requests[request_id] = seqs
         self.stats.prompt_tokens += len(ids) * params.n
         for seq in seqs:
-            self.scheduler.add(seq)
+            if not seq.is_finished:
+                self.scheduler.add(seq)
         return ids
+
+    def _continue_from(self, seq: Sequence, handoff: KVHandoff) -> None:
+        """Start seq on a prompt's K/V and first token that a prefill engine computed: the blocks
+        enter the prefix cache (pinned until seq is matched) and the first token is appended as
+        if sampled here, reaching the reader with the next step's outputs."""
+        tensors = self.runner.kv_cache.tensors()
+        why = handoff_mismatch(handoff, seq.prompt_token_ids, seq, tensors, self.config.block_size)
+        if why is not None or self.kv.cache is None:
+            self.handoffs.rejected += 1
+            log.warning("request %s: computing the prompt, not using the K/V handed over: %s", seq.request_id,
+                        why or "this engine has no prefix cache")
+            return
+        seq.pinned_blocks = self.kv.import_prefix(seq.prompt_token_ids, handoff.blocks, block_writer(tensors))
+        self.handoffs.imported += 1
+        self.handoffs.imported_tokens += min(len(seq.pinned_blocks) * self.config.block_size, seq.num_prompt_tokens)
+        delta = self._append_token(seq, handoff.first_token, handoff.first_logprob, time.time())
+        self._handed_over.append((seq.request_id, delta))
 
     def _check_prompt(self, ids: list[int], params: SamplingParams) -> None:
         if not ids:
@@ -286,10 +323,11 @@ class LLMEngine:
     # -- the step -------------------------------------------------------------
 
     def step(self) -> list[StepOutput]:
+        handed_over = self._handed_over_outputs()
         self._propose_drafts()
         plan = self.scheduler.schedule()
         if not plan:
-            return []
+            return handed_over
         now = time.time()
         logits = self.runner.execute(plan.scheduled)
         if self.kv.offload is not None:
@@ -317,7 +355,12 @@ class LLMEngine:
             self.proposer.keep_only(self.scheduler.running)
         self.stats.steps += 1
         self.stats.generation_tokens += len(sampled) + sum(len(emitted) for _, emitted in verified)
-        return [self._request_output(rid, d) for rid, d in deltas.items()]
+        return handed_over + [self._request_output(rid, d) for rid, d in deltas.items()]
+
+    def _handed_over_outputs(self) -> list[StepOutput]:
+        """The first tokens of requests that started on handed-over K/V (and were not aborted since)."""
+        pending, self._handed_over = self._handed_over, []
+        return [self._request_output(rid, [delta]) for rid, delta in pending if rid in self.requests]
 
     # -- speculative decoding (ladle.spec_decode) --------------------------------
 
@@ -407,6 +450,10 @@ class LLMEngine:
             finish = "length"
         if finish:
             seq.finish_reason, seq.stop_reason = finish, stop_reason
+            if seq.params.export_kv and self.kv_exports is not None:  # before its blocks are let go
+                if self.kv_exports.put(seq.request_id, export_handoff(seq, self.runner.kv_cache.tensors(),
+                                                                     self.config.block_size)):
+                    self.handoffs.exported += 1
             self.scheduler.finish(seq)
         return CompletionDelta(index=seq.index, token_ids=[token], text=seq.text.release(finish is not None),
                                logprobs=[lp] if lp is not None else [], finish_reason=finish, stop_reason=stop_reason,

@@ -168,7 +168,38 @@ class KVCacheManager:
         seq.num_computed_tokens = len(path) * self.block_size
         last = self._restore(seq, path[-1] if path else self.cache.root(seq.adapter_id))
         self._reuse_partial_block(seq, None if last.parent is None else last)
+        self.release_pins(seq)
         return seq.num_computed_tokens
+
+    def import_prefix(self, tokens: list[int], blocks: list, write: Callable[[int, list], None]) -> list[int]:
+        """Enter K/V computed elsewhere for the leading blocks of tokens (the last may be partly
+        filled) into the base model's tree, writing each block not cached yet with write(block_id,
+        tensors). Returns the blocks of the path, each with a reference held for the caller (a
+        sequence's pins, released once it is matched or freed), so none is evicted meanwhile."""
+        if self.cache is None:
+            return []
+        bs, parent, pinned = self.block_size, self.cache.root(0), []
+        for k, tensors in enumerate(blocks):
+            key = tuple(tokens[k * bs : (k + 1) * bs])
+            node = parent.children.get(key)
+            if node is not None:
+                self._ref(node.block_id)
+            elif self.num_free_blocks > 0:
+                block = self._take_block()
+                write(block, tensors)
+                node = self.cache.insert(parent, key, block)
+            else:
+                break
+            pinned.append(node.block_id)
+            if len(key) < bs:
+                break
+            parent = node
+        return pinned
+
+    def release_pins(self, seq: Sequence) -> None:
+        for b in seq.pinned_blocks:
+            self._unref(b)
+        seq.pinned_blocks = []
 
     def _restore(self, seq: Sequence, parent: Node) -> Node:
         """Continue seq's match in the second tier: read its next blocks back while the tier has
@@ -297,6 +328,7 @@ class KVCacheManager:
         """Let go of seq's blocks. With keep_partial (a finished or cancelled sequence, never a
         preempted one) its last, partly filled block stays cached too, so a prompt that extends
         seq's tokens copies them instead of computing them again."""
+        self.release_pins(seq)
         if keep_partial and self.cache is not None:
             self._cache_partial_block(seq)
         # Tail first: leaves become evictable before their parents, and the free list

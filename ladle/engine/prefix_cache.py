@@ -30,6 +30,7 @@ import hashlib
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Protocol
 
 Key = tuple[int, ...]
 
@@ -42,6 +43,20 @@ class Node:
     canonical: bool = False
     children: dict[Key, "Node"] = field(default_factory=dict)
     digest: bytes = b""  # of the namespace and every token from the root through this block
+    namespace: int = 0  # the tree it is in: 0 for the base model, else a LoRA adapter's id
+
+
+class CacheListener(Protocol):
+    """Told of every node the tree gains or loses (KV events)."""
+
+    def on_stored(self, node: Node) -> None: ...
+
+    def on_removed(self, node: Node) -> None: ...
+
+
+def root_digest(namespace: int) -> bytes:
+    """The digest a namespace's tree starts from (the parent of its first blocks)."""
+    return chain_digest(b"ladle-kv", (namespace,))
 
 
 def chain_digest(parent: bytes, key: Key) -> bytes:
@@ -55,6 +70,7 @@ class RadixCache:
         self.roots: dict[int, Node] = {}  # namespace -> its tree's root
         self.by_block: dict[int, Node] = {}
         self.evictable: OrderedDict[int, Node] = OrderedDict()  # unreferenced leaves, oldest first
+        self.listener: CacheListener | None = None
 
     def __len__(self) -> int:
         return len(self.by_block)
@@ -67,7 +83,7 @@ class RadixCache:
         node = self.roots.get(namespace)
         if node is None:
             node = self.roots[namespace] = Node(key=(), block_id=-1, parent=None,
-                                                digest=chain_digest(b"ladle-kv", (namespace,)))
+                                                digest=root_digest(namespace), namespace=namespace)
         return node
 
     def match(self, tokens: list[int], max_blocks: int, canonical_only: bool = False, namespace: int = 0) -> list[Node]:
@@ -106,10 +122,12 @@ class RadixCache:
         if existing is not None:
             return existing
         node = Node(key=key, block_id=block_id, parent=parent, canonical=canonical,
-                    digest=chain_digest(parent.digest, key))
+                    digest=chain_digest(parent.digest, key), namespace=parent.namespace)
         parent.children[key] = node
         self.by_block[block_id] = node
         self.evictable.pop(parent.block_id, None)  # a parent with children is no leaf
+        if self.listener is not None:
+            self.listener.on_stored(node)
         return node
 
     def replace_block(self, node: Node, block_id: int) -> int:
@@ -144,4 +162,6 @@ class RadixCache:
         del parent.children[node.key]
         if parent.parent is not None and not parent.children and is_unreferenced(parent.block_id):
             self.evictable[parent.block_id] = parent
+        if self.listener is not None:
+            self.listener.on_removed(node)
         return node

@@ -58,6 +58,8 @@ class Sequence:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache on first admission
     block_table: list[int] = field(default_factory=list)
+    # blocks handed over by another engine (KVHandoff), referenced until the sequence is matched
+    pinned_blocks: list[int] = field(default_factory=list)
     num_cached_blocks: int = 0  # leading blocks of block_table entered in the prefix cache
     # (source block, destination block, tokens): K/V the runner copies before this
     # sequence's first forward, when its prompt shares only part of a cached block.

@@ -4,8 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from typing import TYPE_CHECKING
+
 from ladle.errors import InvalidRequestError
 from ladle.structured.spec import StructuredOutputsParams
+
+if TYPE_CHECKING:
+    from ladle.engine.handoff import KVHandoff
 
 _GREEDY_EPS = 1e-5
 POOLINGS = ("last", "mean")
@@ -47,6 +52,11 @@ class SamplingParams:
     # Reasoning models (--reasoning-parser): past this many reasoning tokens the engine closes the
     # think block itself and the model answers. None: the server's default (unlimited without one).
     thinking_token_budget: int | None = None
+    # Disaggregated prefill/decode (ladle.engine.handoff): keep the prompt's K/V for a decode engine
+    # to fetch once the request ends (a prefill worker's one-token request) ...
+    export_kv: bool = False
+    # ... or start from the K/V and first token a prefill engine handed over, computing none of the prompt
+    kv_handoff: "KVHandoff | None" = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -82,6 +92,10 @@ class SamplingParams:
              "must be non-negative"),
             (self.thinking_token_budget is None or self.structured_outputs is None, "thinking_token_budget",
              "cannot be combined with structured outputs (the forced end of thinking is outside the grammar)"),
+            (self.n == 1 or not (self.export_kv or self.kv_handoff), "kv_transfer_params",
+             "hands over one sequence's K/V: it needs n = 1"),
+            (not self.is_scoring or not (self.export_kv or self.kv_handoff), "kv_transfer_params",
+             "cannot hand over a prefill-only (scoring) request"),
         ]
         for ok, name, why in checks:
             if not ok:

@@ -11,8 +11,9 @@ from starlette.middleware.cors import CORSMiddleware
 from ladle import __version__
 from ladle.decisions import routes as decision_routes
 from ladle.decisions.extensions import Extensions
+from ladle.distributed.kv_transfer import KVTransferServer
 from ladle.engine.async_engine import AsyncEngine
-from ladle.server import cancel, embeddings, lora_routes, openai_routes, responses, utility_routes
+from ladle.server import cancel, embeddings, kv_events_route, lora_routes, openai_routes, responses, utility_routes
 from ladle.server.context import ServerContext
 from ladle.server.errors import install_error_handlers
 from ladle.server.middleware import APIKeyMiddleware, BodyLimitMiddleware, RequestLogMiddleware, RootPathMiddleware
@@ -22,8 +23,8 @@ from ladle.server.response_store import DEFAULT_MAX_STORED_RESPONSES
 from ladle.server.webui import router as webui_router
 
 DEFAULT_MAX_BODY_BYTES = 16 * 2**20
-ROUTERS = (openai_routes.router, cancel.router, responses.router, utility_routes.router, decision_routes.router, embeddings.router,
-           lora_routes.router)
+ROUTERS = (openai_routes.router, cancel.router, responses.router, utility_routes.router, decision_routes.router,
+           embeddings.router, lora_routes.router, kv_events_route.router)
 
 
 def create_app(engine: AsyncEngine, served_model_name: str, api_key: str | None = None,
@@ -46,10 +47,13 @@ def create_app(engine: AsyncEngine, served_model_name: str, api_key: str | None 
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         engine.add_step_listener(ctx.metrics.on_step)
         engine.start()
+        ctx.kv_transfer_server = _start_kv_transfer(engine, ctx)
         try:
             yield
         finally:
             engine.remove_step_listener(ctx.metrics.on_step)
+            if ctx.kv_transfer_server is not None:
+                ctx.kv_transfer_server.close()
 
     app = FastAPI(title="ladle", version=__version__, lifespan=lifespan)
     app.state.ctx = ctx = ServerContext(engine, served_model_name, model_root=str(engine.engine.model_path),
@@ -74,3 +78,11 @@ def create_app(engine: AsyncEngine, served_model_name: str, api_key: str | None 
     if log_requests:
         app.add_middleware(RequestLogMiddleware)  # outermost: it logs every answer, refusals included
     return app
+
+
+def _start_kv_transfer(engine: AsyncEngine, ctx: ServerContext) -> KVTransferServer | None:
+    """A prefill worker's TCP server for its handed-over K/V (--kv-transfer-config kv_producer)."""
+    config, exports = engine.engine.config.kv_transfer_config, engine.engine.kv_exports
+    if config is None or exports is None:
+        return None
+    return KVTransferServer(exports, config.kv_ip, config.kv_port, ctx.transfer_stats).start()

@@ -40,6 +40,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="/v1/responses kept for previous_response_id, least recently used dropped (default 1000)")
     g.add_argument("--no-webui", dest="webui", action="store_false",
                    help="do not serve the browser playground at /")
+    f = parser.add_argument_group("replicas")
+    f.add_argument("--data-parallel-size", "-dp", type=int, default=1, metavar="N",
+                   help="run N engine processes (the cores shared out between them) behind `ladle router` on "
+                        "this port (default 1: this process serves)")
+    f.add_argument("--router-policy", default="cache_aware",
+                   choices=("round_robin", "least_load", "cache_aware", "kv_events"),
+                   help="how the router picks a replica for each request (with --data-parallel-size > 1)")
     c = parser.add_argument_group("chat and logprobs")
     c.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
                    help="a Jinja chat template (a file, or the template itself) replacing the model's")
@@ -104,6 +111,10 @@ def auto_tool_call_parser(args: argparse.Namespace) -> str | None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.data_parallel_size != 1:
+        from ladle.server.data_parallel import run_fleet
+
+        return run_fleet(args, getattr(args, "argv", None) or sys.argv[2:])
     import uvicorn
 
     from ladle.decisions.extensions import Extensions

@@ -10,11 +10,13 @@ from fastapi import Request
 
 from ladle.config import EngineConfig
 from ladle.decisions.extensions import Extensions
+from ladle.distributed.kv_transfer import KVTransferServer, TransferStats
 from ladle.engine.async_engine import AsyncEngine
 from ladle.model.hub import parse_hub_id
 from ladle.model.tokenizer import Tokenizer
 from ladle.reasoning.parser import ThinkTags, tags_for
 from ladle.server.errors import APIError
+from ladle.server.kv_transfer_metrics import KVTransferCollector
 from ladle.server.live import LiveRequests
 from ladle.server.logprobs import TokenNames
 from ladle.server.metrics import Metrics
@@ -48,12 +50,19 @@ class ServerContext:
     chat_tokenizer: Tokenizer = field(init=False)  # the tokenizer chat prompts are rendered with
     responses: ResponseStore = field(init=False)  # /v1/responses kept for previous_response_id
     live: LiveRequests = field(default_factory=LiveRequests)  # what POST /v1/requests/{id}/cancel may name
+    # disaggregated prefill/decode (ladle.server.kv_handover): K/V moved in and out, and a
+    # prefill worker's TCP server (started with the app)
+    transfer_stats: TransferStats = field(default_factory=TransferStats)
+    kv_transfer_server: "KVTransferServer | None" = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.max_logprobs <= MAX_LOGPROBS:
             raise ValueError(f"max_logprobs must be in [0, {MAX_LOGPROBS}] (the engine returns at most {MAX_LOGPROBS})")
         self.names = TokenNames(self.engine.tokenizer)
         self.metrics = Metrics(self.engine, self.model_name)
+        if self.engine.engine.config.kv_transfer_config is not None:
+            self.metrics.registry.register(KVTransferCollector(self.transfer_stats, self.engine.engine.handoffs,
+                                                               self.model_name))
         tok = self.engine.tokenizer
         self.chat_tokenizer = tok if self.chat_template is None else with_chat_template(tok, self.chat_template)
         self.responses = ResponseStore(self.max_stored_responses)

@@ -22,6 +22,7 @@ from ladle.server.chat_tools import ChoiceDeltas, Thinking, assistant_message
 from ladle.server.constraints import ToolPlan, tool_plan_of
 from ladle.server.context import ServerContext, get_context
 from ladle.server.errors import validation_error
+from ladle.server.kv_handover import reply_params, with_kv_transfer
 from ladle.server.live import Tracked
 from ladle.server.logprobs import CompletionLogprobsBuilder, chat_logprobs
 from ladle.server.middleware import RequestRecord, request_record
@@ -151,6 +152,7 @@ async def chat_completions(request: Request) -> Response:
     ctx = get_context(request)
     req = await parse_body(request, ChatCompletionRequest)
     inputs = prepare_chat(ctx, req)
+    inputs.params = await with_kv_transfer(ctx, req.kv_transfer_params, inputs.params, req.stream)
     ids, tools = inputs.prompt_ids, inputs.tools
     request_id = _response_id("chatcmpl", req)
     stream = await submit_chat(ctx, request, request_id, req, inputs)
@@ -175,7 +177,8 @@ async def chat_completions(request: Request) -> Response:
     timings = Timings.of([result.timings], len(ids), cached, completion_tokens) \
         if req.include_timings and result.timings else None
     body = ChatCompletionResponse(id=request_id, model=req.model or ctx.model_name, choices=choices, usage=usage,
-                                  timings=timings)
+                                  timings=timings, kv_transfer_params=reply_params(ctx, req.kv_transfer_params,
+                                                                                   stream.request_id))
     return json_response(body)
 
 
@@ -244,8 +247,8 @@ async def completions(request: Request) -> Response:
     model = ctx.check_model(req.model)
     req.check_supported()
     ctx.check_logprobs(req.logprobs, "logprobs")
-    params = _sampling_params(ctx, req)
     prompts = req.prompts()
+    params = await with_kv_transfer(ctx, req.kv_transfer_params, _sampling_params(ctx, req), req.stream, len(prompts))
     tok = ctx.engine.tokenizer
     prompt_ids = [tok.encode(p, add_special_tokens=req.add_special_tokens) if isinstance(p, str) else list(p)
                   for p in prompts]
@@ -293,7 +296,8 @@ async def completions(request: Request) -> Response:
     timings = Timings.of([r.timings for r, _ in results if r.timings], usage.prompt_tokens, cached,
                          completion_tokens) if req.include_timings else None
     body = CompletionResponse(id=request_id, model=req.model or ctx.model_name, choices=choices, usage=usage,
-                              timings=timings)
+                              timings=timings, kv_transfer_params=reply_params(ctx, req.kv_transfer_params,
+                                                                               streams[0].request_id))
     return json_response(body)
 
 

@@ -33,6 +33,19 @@ class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
+class KVTransferParams(BaseModel):
+    """Disaggregated prefill/decode. To a prefill worker: {"do_remote_decode": true} (keep the
+    prompt's K/V for a decode worker). Its reply carries {"do_remote_prefill": true, remote_host,
+    remote_port, transfer_id}, which the router passes to a decode worker unchanged."""
+
+    model_config = ConfigDict(extra="forbid")
+    do_remote_decode: bool = False
+    do_remote_prefill: bool = False
+    remote_host: str | None = None
+    remote_port: int | None = Field(None, ge=1, le=65535)
+    transfer_id: str | None = Field(None, min_length=1, max_length=512)
+
+
 class StreamOptions(_Request):
     include_usage: bool = False
     continuous_usage_stats: bool = False
@@ -68,6 +81,8 @@ class _Sampling(_Request):
     # POST /v1/requests/{request_id}/cancel stops the request (ladle.server.cancel)
     request_id: str | None = Field(None, min_length=1, max_length=256, pattern=r"^[A-Za-z0-9._:-]+$")
     include_timings: bool = False  # ladle: add the server-side stages ("timings") to the response
+    # disaggregated prefill/decode (ladle.server.kv_handover), as vLLM's proxy sends it
+    kv_transfer_params: KVTransferParams | None = None
     thinking_token_budget: int | None = None  # reasoning models (--reasoning-parser): tokens of thinking at most
     # output constraints (ladle.server.constraints): at most one of these
     response_format: ResponseFormat | None = None
@@ -301,13 +316,15 @@ class Timings(_Response):
 
 
 class _Timed(_Response):
-    """A response that carries `timings` only when the request asked for them."""
+    """A response that carries `timings` only when the request asked for them, and
+    `kv_transfer_params` only from a prefill worker."""
 
     @model_serializer(mode="wrap")
-    def _drop_unset_timings(self, handler: Any) -> dict[str, Any]:
+    def _drop_unset_extras(self, handler: Any) -> dict[str, Any]:
         out = handler(self)
-        if out.get("timings", 0) is None:
-            out.pop("timings")
+        for name in ("timings", "kv_transfer_params"):
+            if out.get(name, 0) is None:
+                out.pop(name)
         return out
 
 
@@ -419,6 +436,7 @@ class ChatCompletionResponse(_Timed):
     choices: list[ChatChoice]
     usage: Usage
     timings: Timings | None = None
+    kv_transfer_params: KVTransferParams | None = None
 
 
 class DeltaMessage(_Response):
@@ -467,6 +485,7 @@ class CompletionResponse(_Timed):
     choices: list[CompletionChoice]
     usage: Usage | None = None
     timings: Timings | None = None
+    kv_transfer_params: KVTransferParams | None = None
 
 
 class CancelResponse(_Response):
