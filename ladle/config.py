@@ -12,7 +12,8 @@ from ladle.spec_decode.config import SpeculativeConfig
 
 SCHEDULING_POLICIES = ("fcfs", "priority", "lpm")
 QUANTIZATIONS = ("auto", "none", "int8")  # ladle.model.quantization's meanings
-KV_8BIT_NAMES = ("int8", "fp8", "fp8_e4m3")  # ladle.model.kv_quant's formats (named here: no torch import)
+KV_8BIT_NAMES = ("int8", "fp8", "fp8_e4m3")
+EXECUTOR_BACKENDS = ("mp",)  # ladle.distributed.tensor_parallel's (named here: no torch import)  # ladle.model.kv_quant's formats (named here: no torch import)
 
 
 @dataclass
@@ -56,6 +57,10 @@ class EngineConfig:
     kv_offload_dir: str | None = None  # where its files go (a private folder inside; None: the system temp dir)
     # disaggregated prefill/decode (ladle.distributed): this worker's role; None: serves whole requests only
     kv_transfer_config: KVTransferConfig | None = None
+    # model parallelism (ladle.distributed.tensor_parallel): ranks that each compute a shard of the model
+    tensor_parallel_size: int = 1
+    enable_expert_parallel: bool = False  # MoE experts spread whole over the ranks (all-to-all) instead of split
+    distributed_executor_backend: str = "mp"  # how the ranks start: mp (local processes)
 
     def __post_init__(self) -> None:
         if isinstance(self.kv_transfer_config, (dict, str)):
@@ -87,10 +92,28 @@ class EngineConfig:
             raise ValueError("thinking_token_budget must be non-negative and needs reasoning_parser (--reasoning-parser)")
         if self.max_high_effort_seqs < 0 or self.high_effort_tokens < 0 or self.kv_offload_gib < 0:
             raise ValueError("max_high_effort_seqs, high_effort_tokens and kv_offload_gib must be non-negative")
+        self._check_parallel()
         if self.max_num_batched_tokens < self.block_size:
             # canonical (scoring) chunks end on block boundaries: a smaller budget never reaches one
             raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
                              f"block_size ({self.block_size})")
+
+
+    def _check_parallel(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError("tensor_parallel_size must be at least 1")
+        if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
+            raise ValueError(f"distributed_executor_backend must be one of {EXECUTOR_BACKENDS}, not "
+                             f"{self.distributed_executor_backend!r} (ray is not supported yet)")
+        if self.tensor_parallel_size == 1:
+            return
+        # these read or write one rank's KV blocks or weights: not built for sharded ones yet
+        clashes = {"enable_lora (--enable-lora)": self.enable_lora,
+                   "kv_offload_gib (--kv-offload-gib)": self.kv_offload_gib > 0,
+                   "kv_transfer_config (--kv-transfer-config)": self.kv_transfer_config is not None}
+        bad = [name for name, on in clashes.items() if on]
+        if bad:
+            raise ValueError(f"tensor_parallel_size > 1 does not combine with {', '.join(bad)} yet")
 
 
 def add_engine_arguments(parser) -> None:
@@ -180,6 +203,15 @@ def add_engine_arguments(parser) -> None:
                    help='this worker\'s role, as vLLM takes it: \'{"kv_role": "kv_producer", "kv_port": 14579}\' '
                         "(a prefill worker serving its K/V over TCP), kv_consumer (a decode worker fetching it) "
                         "or kv_both; behind `ladle router --prefill URL --decode URL`")
+    g = parser.add_argument_group("model parallelism")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="split the model over N ranks (processes joined by torch.distributed, gloo on CPU): "
+                        "attention heads and MLP columns/rows, KV heads per rank, the LM head by vocabulary")
+    g.add_argument("--enable-expert-parallel", action="store_true",
+                   help="MoE models: place whole experts on the tensor-parallel ranks (all-to-all dispatch and "
+                        "combine) instead of splitting every expert")
+    g.add_argument("--distributed-executor-backend", choices=EXECUTOR_BACKENDS, default="mp",
+                   help="how the ranks start: mp, local processes")
 
 
 def lora_modules(specs: list[str]) -> dict[str, str]:
@@ -217,4 +249,6 @@ def engine_config_from_args(args) -> EngineConfig:
         max_high_effort_seqs=args.max_high_effort_seqs, high_effort_tokens=args.high_effort_tokens,
         kv_offload_gib=args.kv_offload_gib, kv_offload_dir=args.kv_offload_dir,
         kv_transfer_config=KVTransferConfig.parse(args.kv_transfer_config) if args.kv_transfer_config else None,
+        tensor_parallel_size=args.tensor_parallel_size, enable_expert_parallel=args.enable_expert_parallel,
+        distributed_executor_backend=args.distributed_executor_backend,
     )

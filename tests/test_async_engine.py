@@ -35,6 +35,11 @@ class ScriptedEngine:
         self.aborted: list[str] = []
         self.fail_at_step = fail_at_step
         self.threads: set[int] = set()
+        self.failure: str | None = None  # a dead tensor-parallel rank's story; none here
+        self.healthy = True
+
+    def close(self) -> None:
+        pass
 
     def runtime_info(self) -> dict[str, str]:
         return {"dtype": "scripted"}

@@ -1,4 +1,5 @@
-"""Tiny random Llama, Qwen2, Qwen3 and Mistral checkpoints, built and saved by transformers for the tests."""
+"""Tiny random Llama, Qwen2, Qwen3, Mistral and mixture-of-experts (Qwen2-MoE, Qwen3-MoE, Mixtral)
+checkpoints, built and saved by transformers for the tests."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ SMOLLM2_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_temp
 
 
 def build_tiny_model(kind: str, out: Path, tokenizer_from: Path, seed: int = 0, **config_overrides) -> Path:
-    """Save a small random model of `kind` ("llama", "llama3-rope", "qwen2", "qwen3" or "mistral")
+    """Save a small random model of `kind` ("llama", "llama3-rope", "qwen2", "qwen3", "mistral", "qwen2_moe",
+    "qwen3_moe" or "mixtral")
     with a real tokenizer; `config_overrides` go to the transformers config.
 
     Weights are drawn with a wide init so next-token logits are peaked: greedy
@@ -19,8 +21,9 @@ def build_tiny_model(kind: str, out: Path, tokenizer_from: Path, seed: int = 0, 
     import shutil
 
     from transformers import (
-        LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
-        Qwen3ForCausalLM,
+        LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, MixtralConfig, MixtralForCausalLM,
+        Qwen2Config, Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3Config, Qwen3ForCausalLM,
+        Qwen3MoeConfig, Qwen3MoeForCausalLM,
     )
 
     vocab = 49152  # the SmolLM2 tokenizer's
@@ -55,10 +58,42 @@ def build_tiny_model(kind: str, out: Path, tokenizer_from: Path, seed: int = 0, 
     elif kind == "mistral":
         cfg = MistralConfig(**{"sliding_window": None, **common}, rope_theta=1000000.0, tie_word_embeddings=False)
         model = MistralForCausalLM(cfg)
+    elif kind == "qwen2_moe":  # 8 experts, top 2, a shared expert; layer 1 dense (mlp_only_layers)
+        cfg = Qwen2MoeConfig(**{"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                "shared_expert_intermediate_size": 64, "mlp_only_layers": [1], **common},
+                             rope_theta=1000000.0, tie_word_embeddings=True)
+        model = Qwen2MoeForCausalLM(cfg)
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.5)
+    elif kind == "qwen3_moe":  # top-k renormalised, q/k norms
+        cfg = Qwen3MoeConfig(**{"head_dim": 32, "num_experts": 8, "num_experts_per_tok": 2,
+                                "moe_intermediate_size": 32, "norm_topk_prob": True, **common},
+                             rope_theta=1000000.0, tie_word_embeddings=True)
+        model = Qwen3MoeForCausalLM(cfg)
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+                    norm.weight.uniform_(0.25, 2.5)
+    elif kind == "mixtral":
+        cfg = MixtralConfig(**{"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None, **common},
+                            rope_theta=1000000.0, tie_word_embeddings=False)
+        model = MixtralForCausalLM(cfg)
     else:
         raise ValueError(kind)
+    if kind.endswith("moe") or kind == "mixtral":
+        _spread_router(model)
     model.save_pretrained(out)
     for name in SMOLLM2_TOKENIZER_FILES:
         if (tokenizer_from / name).exists():
             shutil.copy(tokenizer_from / name, out / name)
     return out
+
+
+def _spread_router(model) -> None:
+    """Router weights drawn wide, so top-k choices are not near ties that the last bit decides."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("gate.weight") and param.dim() == 2 and "shared_expert_gate" not in name:
+                param.normal_(0, 1.0)

@@ -189,11 +189,12 @@ class AsyncEngine:
             thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout)
+        self.engine.close()
 
     @property
     def is_running(self) -> bool:
         alive = self._thread is not None and self._thread.is_alive()
-        return alive and not self._stopping and self._error is None
+        return alive and not self._stopping and self._error is None and self.engine.healthy
 
     def add_step_listener(self, listener: StepListener) -> None:
         """Call `listener(StepReport)` on the engine thread after every step (keep it cheap)."""
@@ -290,6 +291,9 @@ class AsyncEngine:
                 if isinstance(op, _Add):
                     raise EngineStoppedError("the engine is not running") from self._error
                 return
+            failure = self.engine.failure
+            if failure is not None and isinstance(op, _Add):
+                raise EngineStoppedError(f"the engine cannot compute: {failure}")
             if isinstance(op, _Add):
                 self._admit()
                 self._num_pending += op.params.n  # sequences, as the scheduler counts them

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import time
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -44,6 +46,10 @@ from ladle.spec_decode.verify import verify
 from ladle.structured.grammar import GrammarCompiler
 from ladle.structured.matcher import GrammarState
 
+if TYPE_CHECKING:
+    from ladle.distributed.tensor_parallel import RankSpec
+    from ladle.model.collectives import CommStats
+
 log = logging.getLogger("ladle")
 
 
@@ -59,6 +65,8 @@ class EngineStats:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig):
+        if config.tensor_parallel_size > 1 and config.num_threads is None:  # the cores shared out over the ranks
+            config = replace(config, num_threads=max(1, (os.cpu_count() or 1) // config.tensor_parallel_size))
         self.config = config
         claim_compute(config.num_threads)  # the offline LLM computes on this thread
         folder = resolve_model_path(config.model, config.revision, config.download_dir)
@@ -87,7 +95,8 @@ class LLMEngine:
         self.kv_events = self._start_kv_events()
         self.scheduler = Scheduler(config, self.kv)
         self.runner = ModelRunner(self.model_config, load_weights(folder, self.dtype.dtype), num_blocks,
-                                  config.block_size, self.kv_dtype, config.quantization)
+                                  config.block_size, self.kv_dtype, config.quantization,
+                                  self._parallel_spec(folder, num_blocks))
         self.sampler = Sampler(config.seed)
         if config.kv_offload_gib > 0:
             self._start_offload()
@@ -107,6 +116,47 @@ class LLMEngine:
         self.handoffs = HandoffStats()
         self._handed_over: list[tuple[str, CompletionDelta]] = []  # first tokens of handoffs, sent next step
         self._seq_ids = itertools.count()
+
+    def _parallel_spec(self, folder, num_blocks: int) -> "RankSpec | None":
+        """What the tensor-parallel ranks are to build; None on one process."""
+        c = self.config
+        if c.enable_expert_parallel and self.model_config.moe is None:
+            raise ValueError("enable_expert_parallel (--enable-expert-parallel) needs a mixture-of-experts model")
+        if c.enable_lora and self.model_config.moe is not None:
+            raise ValueError("LoRA adapters on mixture-of-experts models are not supported yet")
+        if c.tensor_parallel_size == 1:
+            return None
+        from ladle.distributed.tensor_parallel import RankSpec, free_port
+        from ladle.model.sharding import Shard
+
+        Shard(0, c.tensor_parallel_size, c.enable_expert_parallel).check(self.model_config)  # before any worker starts
+        return RankSpec(str(folder), self.model_config, self.dtype.dtype, c.quantization, num_blocks, c.block_size,
+                        self.kv_dtype, c.tensor_parallel_size, c.enable_expert_parallel, c.num_threads, "127.0.0.1",
+                        free_port())
+
+    def close(self) -> None:
+        """Stops what the engine started outside this process's threads (tensor-parallel workers)."""
+        self.runner.close()
+
+    @property
+    def healthy(self) -> bool:
+        """False once a tensor-parallel worker has died: nothing can be computed any more."""
+        return self.failure is None
+
+    @property
+    def failure(self) -> str | None:
+        """Why this engine cannot compute (a tensor-parallel worker died); None while it can."""
+        workers = self.runner.workers
+        return None if workers is None else workers.failure
+
+    def expert_load(self) -> dict[int, list[int]]:
+        """Tokens routed to each expert so far, by MoE layer (empty for a dense model)."""
+        return {i: block.tokens_per_expert.tolist() for i, block in self.runner.model.moe_blocks.items()}
+
+    def collective_stats(self) -> "CommStats | None":
+        """Rank 0's time in the tensor-parallel collectives; None on one process."""
+        workers = self.runner.workers
+        return None if workers is None else workers.comm.stats
 
     def _start_kv_events(self) -> KVEventLog | None:
         """The log of blocks the prefix cache stores and evicts (GET /v1/kv_events); None without one."""
@@ -201,7 +251,8 @@ class LLMEngine:
         if self.config.num_kv_blocks:
             return self.config.num_kv_blocks
         c = self.model_config
-        per_block = KVCache.bytes_per_block(c.num_hidden_layers, self.config.block_size, c.num_key_value_heads,
+        kv_heads = c.num_key_value_heads // self.config.tensor_parallel_size  # the pool is per rank
+        per_block = KVCache.bytes_per_block(c.num_hidden_layers, self.config.block_size, max(1, kv_heads),
                                             c.head_dim, self.kv_dtype)
         return max(1, int(self.config.kv_cache_memory_gib * 2**30) // per_block)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -21,6 +22,9 @@ from ladle.model.attention import (
 )
 from ladle.model.config import ModelConfig
 from ladle.model.llama import KeptStates, LlamaForCausalLM
+
+if TYPE_CHECKING:
+    from ladle.distributed.tensor_parallel import RankSpec, WorkerGroup
 
 
 @dataclass
@@ -36,15 +40,29 @@ class StepLogits:
 
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], num_blocks: int, block_size: int,
-                 kv_dtype: torch.dtype = torch.float32, quantization: str = "none"):
+                 kv_dtype: torch.dtype = torch.float32, quantization: str = "none",
+                 parallel: RankSpec | None = None):
+        """parallel: start tensor-parallel workers and be their rank 0 (ladle.distributed.tensor_parallel)."""
         self.cfg = cfg
         self.block_size = block_size
-        self.kv_cache = KVCache(cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim,
-                                dtype=kv_dtype)
-        backend = TorchPagedAttention(self.kv_cache, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
-        self.model = LlamaForCausalLM(cfg, weights, backend, quantization)
+        self.workers: WorkerGroup | None = None
+        if parallel is not None:
+            from ladle.distributed.tensor_parallel import start_parallel_model
+
+            self.model, self.kv_cache, self.workers = start_parallel_model(parallel, weights)
+        else:
+            self.kv_cache = KVCache(cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads,
+                                    cfg.head_dim, dtype=kv_dtype)
+            backend = TorchPagedAttention(self.kv_cache, cfg.num_attention_heads, cfg.num_key_value_heads,
+                                          cfg.head_dim)
+            self.model = LlamaForCausalLM(cfg, weights, backend, quantization)
         self.lora_slots: LoRASlots | None = None
         self._lora_weights: Callable[[AdapterRef], AdapterWeights] | None = None
+
+    def close(self) -> None:
+        """Stops the tensor-parallel workers, if any."""
+        if self.workers is not None:
+            self.workers.close()
 
     def enable_lora(self, slots: LoRASlots, weights_of: Callable[[AdapterRef], AdapterWeights]) -> None:
         """Serve adapters from these slots, reading an adapter's weights with weights_of when it needs one."""
@@ -66,6 +84,8 @@ class ModelRunner:
     def execute(self, batch: list[ScheduledSeq]) -> StepLogits:
         for item in batch:
             if item.seq.pending_copy is not None:
+                if self.workers is not None:
+                    self.workers.call("copy_prefix", *item.seq.pending_copy)
                 self.kv_cache.copy_prefix(*item.seq.pending_copy)
                 item.seq.pending_copy = None
         batch = sorted(batch, key=lambda s: not self._is_decode(s))  # decodes first

@@ -7,7 +7,34 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "qwen2_moe", "qwen3_moe", "mixtral")
+MOE_ARCHITECTURES = ("qwen2_moe", "qwen3_moe", "mixtral")
+
+
+@dataclass
+class MoEConfig:
+    """A mixture-of-experts MLP: each token goes to the top k of num_experts SwiGLU experts."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # of each expert
+    norm_topk_prob: bool  # renormalise the k chosen probabilities to sum to 1
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE: a dense expert every token takes, sigmoid-gated
+    sparse_layers: frozenset[int] = frozenset()  # the layers with a MoE MLP (the others are dense)
+
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any], model_type: str, num_layers: int) -> "MoEConfig":
+        # transformers 5 names the count num_local_experts for Qwen3-MoE too
+        num_experts = d.get("num_experts") or d["num_local_experts"]
+        if model_type == "mixtral":
+            return cls(num_experts, d["num_experts_per_tok"], d["intermediate_size"], True,
+                       sparse_layers=frozenset(range(num_layers)))
+        step = d.get("decoder_sparse_step", 1) or 1
+        dense = set(d.get("mlp_only_layers") or [])
+        sparse = frozenset(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
+        return cls(num_experts, d["num_experts_per_tok"], d["moe_intermediate_size"],
+                   bool(d.get("norm_topk_prob", False)),
+                   d.get("shared_expert_intermediate_size", 0) if model_type == "qwen2_moe" else 0, sparse)
 
 
 @dataclass
@@ -29,6 +56,7 @@ class ModelConfig:
     qk_norm: bool  # Qwen3: RMSNorm on each head of q and k
     eos_token_ids: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
+    moe: MoEConfig | None = None  # Qwen2-MoE, Qwen3-MoE, Mixtral
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any], name: str | None = None) -> "ModelConfig":
@@ -70,10 +98,12 @@ class ModelConfig:
             rope_scaling=scaling,
             max_position_embeddings=max_positions,
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            attention_bias=bool(d.get("attention_bias", model_type == "qwen2")),
-            qk_norm=model_type == "qwen3",
+            attention_bias=bool(d.get("attention_bias", d.get("qkv_bias", model_type in ("qwen2", "qwen2_moe")))),
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             eos_token_ids=eos_ids,
             bos_token_id=d.get("bos_token_id"),
+            moe=MoEConfig.from_hf_dict(d, model_type, d["num_hidden_layers"])
+            if model_type in MOE_ARCHITECTURES else None,
         )
 
     @classmethod
@@ -87,7 +117,7 @@ def _sliding_window(d: dict[str, Any], model_type: str) -> int | None:
     window = d.get("sliding_window")
     if window is None:
         return None
-    if model_type in ("qwen2", "qwen3"):
+    if model_type.startswith("qwen"):
         # Qwen configs carry a sliding_window that only applies with use_sliding_window, and then only to
         # the layers that layer_types marks (by default those from max_window_layers on)
         if not d.get("use_sliding_window", False):

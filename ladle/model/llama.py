@@ -1,7 +1,10 @@
-"""The Llama family forward (Llama, SmolLM2, Qwen2/2.5, Qwen3) over a flat, packed token batch.
+"""The Llama family forward (Llama, SmolLM2, Qwen2/2.5, Qwen3, and the MoE ones: Qwen2-MoE,
+Qwen3-MoE, Mixtral) over a flat, packed token batch.
 
 Tokens of all sequences in a step are concatenated into one [T, hidden] matrix, so the
 linear layers never see padding; only attention needs to know where sequences begin.
+A tensor-parallel rank builds the same model from its shard of the weights (its heads, its
+share of each MLP, its rows of the vocabulary) and reduces the row-parallel outputs.
 """
 
 from __future__ import annotations
@@ -17,10 +20,13 @@ import torch.nn.functional as F
 from ladle.config import QUANTIZATIONS
 from ladle.model import kernels
 from ladle.model.attention import AttentionBackend, AttentionMetadata
+from ladle.model.collectives import Single
 from ladle.model.config import ModelConfig
 from ladle.model.kernels.routing import MatmulRouting, choose_routing, forced_routing
 from ladle.model.layers import Linear, RotaryEmbedding, add_rms_norm, apply_rotary, rms_norm, silu_and_mul
+from ladle.model.moe import MoEBlock, load_moe_block
 from ladle.model.quantization import GroupedWeight, cat_weights, choose_prefill_route, make_linear
+from ladle.model.sharding import Shard, head_rows
 
 if TYPE_CHECKING:
     from ladle.lora.slots import LoRABatch
@@ -34,31 +40,43 @@ class DecoderLayerWeights:
     k_norm: torch.Tensor | None
     o_proj: Linear
     post_attn_norm: torch.Tensor
-    gate_up: Linear  # gate and up projections fused: hidden -> 2 * intermediate
-    down: Linear
+    gate_up: Linear | None  # gate and up projections fused: hidden -> 2 * intermediate (dense layers)
+    down: Linear | None
+    moe: MoEBlock | None = None  # the MLP of a mixture-of-experts layer
 
     @property
     def linears(self) -> tuple[Linear, ...]:
-        return (self.qkv, self.o_proj, self.gate_up, self.down)
+        mlp = tuple(self.moe.linears) if self.moe is not None else (self.gate_up, self.down)
+        return (self.qkv, self.o_proj) + mlp
 
 
-def _layer_weights(w: dict[str, torch.Tensor | GroupedWeight], i: int, cfg: ModelConfig,
+def _layer_weights(w: dict[str, torch.Tensor | GroupedWeight], i: int, cfg: ModelConfig, shard: Shard,
                    linear: Callable[[torch.Tensor | GroupedWeight, torch.Tensor | None], Linear],
-                   cat: Callable[[list], torch.Tensor | GroupedWeight]) -> DecoderLayerWeights:
+                   cat: Callable[[list], torch.Tensor | GroupedWeight], comm: object) -> DecoderLayerWeights:
+    """Layer i's weights (this rank's shard of them), taken out of w."""
     p = f"model.layers.{i}."
     attn = p + "self_attn."
+    d = cfg.head_dim
+    spans = {"q": head_rows(shard, cfg.num_attention_heads, d), "k": head_rows(shard, cfg.num_key_value_heads, d),
+             "v": head_rows(shard, cfg.num_key_value_heads, d)}
     bias = None
     if cfg.attention_bias:
-        bias = torch.cat([w.pop(attn + f"{n}_proj.bias") for n in "qkv"])
+        bias = torch.cat([shard.rows(w.pop(attn + f"{n}_proj.bias"), spans[n]) for n in "qkv"])
+    moe = load_moe_block(w, i, cfg, shard, linear, cat, comm) if cfg.moe and i in cfg.moe.sparse_layers else None
+    gate_up = down = None
+    if moe is None:
+        gate, up = shard.column_parallel([w.pop(p + "mlp.gate_proj.weight"), w.pop(p + "mlp.up_proj.weight")])
+        down_w = w.pop(p + "mlp.down_proj.weight")
+        gate_up, down = linear(cat([gate, up]), None), linear(shard.columns(down_w, shard.span(down_w.shape[1])), None)
+    o_proj = w.pop(attn + "o_proj.weight")
     return DecoderLayerWeights(
         input_norm=w.pop(p + "input_layernorm.weight"),
-        qkv=linear(cat([w.pop(attn + f"{n}_proj.weight") for n in "qkv"]), bias),
+        qkv=linear(cat([shard.rows(w.pop(attn + f"{n}_proj.weight"), spans[n]) for n in "qkv"]), bias),
         q_norm=w.pop(attn + "q_norm.weight") if cfg.qk_norm else None,
         k_norm=w.pop(attn + "k_norm.weight") if cfg.qk_norm else None,
-        o_proj=linear(w.pop(attn + "o_proj.weight"), None),
+        o_proj=linear(shard.columns(o_proj, spans["q"]), None),
         post_attn_norm=w.pop(p + "post_attention_layernorm.weight"),
-        gate_up=linear(cat([w.pop(p + "mlp.gate_proj.weight"), w.pop(p + "mlp.up_proj.weight")]), None),
-        down=linear(w.pop(p + "mlp.down_proj.weight"), None),
+        gate_up=gate_up, down=down, moe=moe,
     )
 
 
@@ -79,27 +97,35 @@ class KeptStates:
 
 class LlamaForCausalLM:
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor | GroupedWeight],
-                 attention: AttentionBackend, quantization: str = "auto"):
+                 attention: AttentionBackend, quantization: str = "auto", shard: Shard = Shard(),
+                 comm: object = Single()):
         """quantization (ladle.model.quantization): "auto" keeps grouped int8 weights (a GGUF's blocks)
         as they are and float ones float, "none" dequantises all, "int8" quantises the float ones too,
-        the LM head included; the embedding lookup keeps the compute dtype."""
+        the LM head included; the embedding lookup keeps the compute dtype. shard: the part of the model
+        this rank computes (ladle.model.sharding); comm: the collectives joining it to the others."""
         if quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, not {quantization!r}")
+        shard.check(cfg)
         w = dict(weights)
+        self.vocab_size = cfg.vocab_size
         self.cfg = cfg
+        self.shard, self.comm = shard, comm
         self.attention = attention
         self.quantization = quantization
         self.embed = w.pop("model.embed_tokens.weight")
         dtype = self.embed.dtype
         linear = functools.partial(make_linear, quantization=quantization, dtype=dtype)
         cat = functools.partial(cat_weights, dtype=dtype)
-        self.layers = [_layer_weights(w, i, cfg, linear, cat) for i in range(cfg.num_hidden_layers)]
+        self.layers = [_layer_weights(w, i, cfg, shard, linear, cat, comm) for i in range(cfg.num_hidden_layers)]
+        self.cfg = cfg = shard.local_config(cfg)  # from here on, the shapes this rank computes with
         self.norm = w.pop("model.norm.weight")
         # a tied head is the embedding, unless the checkpoint keeps it quantised (a GGUF's blocks)
         lm_head = w.pop("lm_head.weight", None)
         if lm_head is None or (cfg.tie_word_embeddings and not isinstance(lm_head, GroupedWeight)):
             lm_head = self.embed
-        self.lm_head = linear(lm_head, None)
+        self.vocab_counts = [len(range(self.vocab_size)[Shard(r, shard.world).padded_span(self.vocab_size)])
+                             for r in range(shard.world)]
+        self.lm_head = linear(shard.rows(lm_head, shard.padded_span(self.vocab_size)), None)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         self.q_size = cfg.num_attention_heads * cfg.head_dim
         self.kv_size = cfg.num_key_value_heads * cfg.head_dim
@@ -118,6 +144,11 @@ class LlamaForCausalLM:
     @property
     def linears(self) -> list[Linear]:
         return [lin for layer in self.layers for lin in layer.linears] + [self.lm_head]
+
+    @property
+    def moe_blocks(self) -> dict[int, MoEBlock]:
+        """The MoE layers' blocks by layer index (none in a dense model)."""
+        return {i: layer.moe for i, layer in enumerate(self.layers) if layer.moe is not None}
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -148,8 +179,10 @@ class LlamaForCausalLM:
             keep.keep(last, out)
         return out
 
-    @staticmethod
-    def _mlp(i: int, layer: DecoderLayerWeights, x: torch.Tensor, inv: bool, lora: LoRABatch | None) -> torch.Tensor:
+    def _mlp(self, i: int, layer: DecoderLayerWeights, x: torch.Tensor, inv: bool,
+             lora: LoRABatch | None) -> torch.Tensor:
+        if layer.moe is not None:
+            return layer.moe(x, inv)
         gate_up = layer.gate_up(x, inv)
         if lora is not None:
             lora.add(i, "gate_up", x, gate_up)
@@ -157,7 +190,7 @@ class LlamaForCausalLM:
         down = layer.down(act, inv)
         if lora is not None:
             lora.add(i, "down", act, down)
-        return down
+        return self.comm.all_reduce(down, ordered=inv)
 
     def _attention(self, i: int, layer: DecoderLayerWeights, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                    meta: AttentionMetadata, lora: LoRABatch | None = None) -> torch.Tensor:
@@ -181,9 +214,12 @@ class LlamaForCausalLM:
         out = layer.o_proj(o, meta.batch_invariant)
         if lora is not None:
             lora.add(i, "o_proj", o, out)
-        return out
+        return self.comm.all_reduce(out, ordered=meta.batch_invariant)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor, batch_invariant: bool = False) -> torch.Tensor:
-        """float32 logits, whatever the compute dtype."""
-        return self.lm_head(hidden, batch_invariant).float()
+        """float32 logits, whatever the compute dtype (each rank's rows of the vocabulary, gathered)."""
+        logits = self.lm_head(hidden, batch_invariant).float()
+        if self.shard.whole:
+            return logits
+        return self.comm.all_gather_rows(logits.t().contiguous(), self.vocab_counts).t().contiguous()

@@ -17,6 +17,7 @@ from ladle.model.tokenizer import Tokenizer
 from ladle.reasoning.parser import ThinkTags, tags_for
 from ladle.server.errors import APIError
 from ladle.server.kv_transfer_metrics import KVTransferCollector
+from ladle.server.parallel_metrics import ParallelCollector
 from ladle.server.live import LiveRequests
 from ladle.server.logprobs import TokenNames
 from ladle.server.metrics import Metrics
@@ -63,6 +64,7 @@ class ServerContext:
         if self.engine.engine.config.kv_transfer_config is not None:
             self.metrics.registry.register(KVTransferCollector(self.transfer_stats, self.engine.engine.handoffs,
                                                                self.model_name))
+        self.metrics.registry.register(ParallelCollector(self.engine.engine, self.model_name))
         tok = self.engine.tokenizer
         self.chat_tokenizer = tok if self.chat_template is None else with_chat_template(tok, self.chat_template)
         self.responses = ResponseStore(self.max_stored_responses)

@@ -80,8 +80,11 @@ async def detokenize(request: Request) -> Response:
 
 @router.get("/health", openapi_extra=schemas())
 async def health(request: Request) -> Response:
-    if not get_context(request).engine.is_running:
-        raise APIError(503, "the engine is not running", code="engine_unavailable")
+    engine = get_context(request).engine
+    if not engine.is_running:
+        failure = engine.engine.failure
+        raise APIError(503, f"the engine cannot compute: {failure}" if failure else "the engine is not running",
+                       code="engine_unavailable")
     return Response(status_code=200)
 
 

@@ -1,0 +1,180 @@
+"""Mixture-of-experts MLP (Qwen2-MoE, Qwen3-MoE, Mixtral): a router picks each token's top k
+experts, the experts' SwiGLU outputs are summed weighted by their probabilities.
+
+Experts run grouped: the (token, choice) pairs are sorted by expert and each active expert
+takes all its rows in one matmul, never a Python loop over tokens. Under tensor
+parallelism every rank holds a share of every expert and the block's output is a partial
+sum, all-reduced. Under expert parallelism a rank holds whole experts: each rank routes
+its own run of the tokens, sends every pair to the rank holding its expert (all-to-all),
+gets the results back (all-to-all), and the ranks' runs are gathered into the full batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ladle.model.collectives import Single
+from ladle.model.config import ModelConfig, MoEConfig
+from ladle.model.layers import Linear, silu_and_mul
+from ladle.model.quantization import GroupedWeight
+from ladle.model.sharding import Shard
+
+Weight = torch.Tensor | GroupedWeight
+
+
+@dataclass
+class Expert:
+    """One SwiGLU MLP: gate and up fused, then down."""
+
+    gate_up: Linear
+    down: Linear
+
+    def __call__(self, x: torch.Tensor, inv: bool) -> torch.Tensor:
+        return self.down(silu_and_mul(self.gate_up(x, inv)), inv)
+
+    @property
+    def linears(self) -> tuple[Linear, Linear]:
+        return (self.gate_up, self.down)
+
+
+@dataclass
+class MoEBlock:
+    cfg: MoEConfig
+    router: Linear  # hidden -> num_experts, whole on every rank
+    experts: list[Expert]  # this rank's, global ids first_expert, first_expert + 1, ...
+    first_expert: int
+    shared: Expert | None  # Qwen2-MoE's shared expert, scaled by sigmoid(shared_gate(x))
+    shared_gate: Linear | None
+    expert_parallel: bool
+    comm: object = Single()  # ladle.model.collectives
+    tokens_per_expert: torch.Tensor | None = None  # int64 [num_experts], every routed (token, choice) counted
+
+    def __post_init__(self) -> None:
+        self.tokens_per_expert = torch.zeros(self.cfg.num_experts, dtype=torch.int64)
+
+    @property
+    def linears(self) -> list[Linear]:
+        out = [self.router] + [lin for e in self.experts for lin in e.linears]
+        if self.shared is not None:
+            out += [*self.shared.linears, self.shared_gate]
+        return out
+
+    def __call__(self, x: torch.Tensor, inv: bool) -> torch.Tensor:
+        """The block's output for x [T, hidden], complete (already reduced over ranks)."""
+        weights, chosen = self.route(x, inv)
+        self.tokens_per_expert += torch.bincount(chosen.flatten(), minlength=self.cfg.num_experts)
+        if self.expert_parallel and self.comm.world > 1:
+            return self._expert_parallel(x, weights, chosen, inv)
+        out = self._combine(self._run_experts(x, torch.arange(chosen.numel()) // self.cfg.top_k,
+                                              chosen.flatten(), inv), weights)
+        if self.shared is not None:
+            out = out + self._shared(x, inv)
+        return self.comm.all_reduce(out, ordered=inv)
+
+    def route(self, x: torch.Tensor, inv: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's top-k probabilities (softmax in float32, renormalised where the model does)
+        and expert ids, [T, k] each, as transformers computes them."""
+        probs = torch.softmax(self.router(x, inv).float(), dim=-1)
+        weights, chosen = torch.topk(probs, self.cfg.top_k, dim=-1)
+        if self.cfg.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, chosen
+
+    def _run_experts(self, x: torch.Tensor, token: torch.Tensor, expert: torch.Tensor, inv: bool) -> torch.Tensor:
+        """Row i of the result: expert[i] (a global id held here) applied to x[token[i]]."""
+        order = torch.argsort(expert, stable=True)
+        counts = torch.bincount(expert - self.first_expert, minlength=len(self.experts)).tolist()
+        out = x.new_empty(expert.numel(), x.shape[1])
+        start = 0
+        for local, n in enumerate(counts):
+            if n:
+                rows = order[start : start + n]
+                out[rows] = self.experts[local](x.index_select(0, token[rows]), inv)
+                start += n
+        return out
+
+    def _combine(self, outputs: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """[T * k, hidden] expert outputs (choice-major per token) -> their weighted sum per token, summed
+        over the k choices in a fixed order: a token's bits do not depend on its batch."""
+        t, k = weights.shape
+        weighted = outputs * weights.reshape(-1, 1).to(outputs.dtype)
+        return weighted.view(t, k, outputs.shape[1]).sum(dim=1)
+
+    def _shared(self, x: torch.Tensor, inv: bool) -> torch.Tensor:
+        return torch.sigmoid(self.shared_gate(x, inv)) * self.shared(x, inv)
+
+    def _expert_parallel(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor,
+                         inv: bool) -> torch.Tensor:
+        comm, k = self.comm, self.cfg.top_k
+        per_rank = self.cfg.num_experts // comm.world
+        t = x.shape[0]
+        run = -(-t // comm.world)
+        spans = [(min(t, r * run), min(t, (r + 1) * run)) for r in range(comm.world)]
+        lo, hi = spans[comm.rank]
+        # what this rank sends: its tokens' choices, sorted by expert, hence by the rank that holds it
+        mine = chosen[lo:hi].flatten()
+        order = torch.argsort(mine, stable=True)
+        send = torch.bincount(mine // per_rank, minlength=comm.world).tolist()
+        # what it receives is known too (every rank routed every token alike): the choices of each
+        # rank's tokens that fall on this rank's experts, in expert order
+        arriving = [torch.sort(c[c // per_rank == comm.rank]).values
+                    for c in (chosen[a:b].flatten() for a, b in spans)]
+        recv = [len(a) for a in arriving]
+        rows = comm.all_to_all_rows(x[lo:hi].index_select(0, order // k), send, recv)
+        ids = torch.cat(arriving)
+        done = self._run_experts(rows, torch.arange(len(ids)), ids, inv)
+        back = comm.all_to_all_rows(done, recv, send)
+        outputs = back.new_empty(back.shape)
+        outputs[order] = back
+        out = self._combine(outputs, weights[lo:hi])
+        if self.shared is not None:
+            out = out + self._shared(x[lo:hi], inv)
+        return comm.all_gather_rows(out, [b - a for a, b in spans])
+
+
+def _expert_weights(w: dict[str, Weight], prefix: str, j: int, model_type: str) -> tuple[Weight, Weight, Weight]:
+    """(gate, up, down) of expert j, from per-expert tensors or transformers' fused 3-D ones."""
+    if model_type == "mixtral":
+        e = f"{prefix}experts.{j}."
+        return w.pop(e + "w1.weight"), w.pop(e + "w3.weight"), w.pop(e + "w2.weight")
+    e = f"{prefix}experts.{j}."
+    if e + "gate_proj.weight" in w:
+        return w.pop(e + "gate_proj.weight"), w.pop(e + "up_proj.weight"), w.pop(e + "down_proj.weight")
+    gate_up, down = w[prefix + "experts.gate_up_proj"][j], w[prefix + "experts.down_proj"][j]
+    gate, up = gate_up.chunk(2, dim=0)
+    return gate, up, down
+
+
+def load_moe_block(w: dict[str, Weight], layer: int, cfg: ModelConfig, shard: Shard,
+                   linear: Callable[[Weight, torch.Tensor | None], Linear],
+                   cat: Callable[[list], Weight], comm: object) -> MoEBlock:
+    """Layer `layer`'s MoE block, this rank's part of it, taken out of `w`."""
+    moe = cfg.moe
+    prefix = f"model.layers.{layer}." + ("block_sparse_moe." if cfg.model_type == "mixtral" else "mlp.")
+
+    def expert(gate: Weight, up: Weight, down: Weight, whole: bool) -> Expert:
+        if not whole:
+            span = shard.span(gate.shape[0])
+            gate, up, down = shard.rows(gate, span), shard.rows(up, span), shard.columns(down, span)
+        return Expert(linear(cat([gate, up]), None), linear(down, None))
+
+    held = shard.experts(moe.num_experts)
+    experts = []
+    for j in range(moe.num_experts):
+        parts = _expert_weights(w, prefix, j, cfg.model_type)
+        if j in held:
+            experts.append(expert(*parts, whole=shard.expert_parallel))
+    for fused in ("experts.gate_up_proj", "experts.down_proj"):
+        w.pop(prefix + fused, None)
+    shared = shared_gate = None
+    if moe.shared_expert_intermediate_size:
+        s = prefix + "shared_expert."
+        # whole under expert parallelism: each rank computes it for its own run of the tokens
+        shared = expert(w.pop(s + "gate_proj.weight"), w.pop(s + "up_proj.weight"), w.pop(s + "down_proj.weight"),
+                        whole=shard.expert_parallel)
+        shared_gate = linear(w.pop(prefix + "shared_expert_gate.weight"), None)
+    return MoEBlock(moe, linear(w.pop(prefix + "gate.weight"), None), experts, held.start, shared, shared_gate,
+                    shard.expert_parallel, comm)
