@@ -12,8 +12,8 @@ from ladle.spec_decode.config import SpeculativeConfig
 
 SCHEDULING_POLICIES = ("fcfs", "priority", "lpm")
 QUANTIZATIONS = ("auto", "none", "int8")  # ladle.model.quantization's meanings
-KV_8BIT_NAMES = ("int8", "fp8", "fp8_e4m3")
-EXECUTOR_BACKENDS = ("mp",)  # ladle.distributed.tensor_parallel's (named here: no torch import)  # ladle.model.kv_quant's formats (named here: no torch import)
+KV_8BIT_NAMES = ("int8", "fp8", "fp8_e4m3")  # ladle.model.kv_quant's formats (named here: no torch import)
+EXECUTOR_BACKENDS = ("mp", "ray")  # ladle.distributed.tensor_parallel's
 
 
 @dataclass
@@ -60,7 +60,7 @@ class EngineConfig:
     # model parallelism (ladle.distributed.tensor_parallel): ranks that each compute a shard of the model
     tensor_parallel_size: int = 1
     enable_expert_parallel: bool = False  # MoE experts spread whole over the ranks (all-to-all) instead of split
-    distributed_executor_backend: str = "mp"  # how the ranks start: mp (local processes)
+    distributed_executor_backend: str = "mp"  # how the ranks start: mp (local processes) or ray (a Ray cluster)
 
     def __post_init__(self) -> None:
         if isinstance(self.kv_transfer_config, (dict, str)):
@@ -104,7 +104,7 @@ class EngineConfig:
             raise ValueError("tensor_parallel_size must be at least 1")
         if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
             raise ValueError(f"distributed_executor_backend must be one of {EXECUTOR_BACKENDS}, not "
-                             f"{self.distributed_executor_backend!r} (ray is not supported yet)")
+                             f"{self.distributed_executor_backend!r}")
         if self.tensor_parallel_size == 1:
             return
         # these read or write one rank's KV blocks or weights: not built for sharded ones yet
@@ -211,7 +211,8 @@ def add_engine_arguments(parser) -> None:
                    help="MoE models: place whole experts on the tensor-parallel ranks (all-to-all dispatch and "
                         "combine) instead of splitting every expert")
     g.add_argument("--distributed-executor-backend", choices=EXECUTOR_BACKENDS, default="mp",
-                   help="how the ranks start: mp, local processes")
+                   help="how the tensor-parallel ranks start: mp, local processes; ray, actors on the Ray cluster "
+                        "at RAY_ADDRESS (or a local one), which needs `pip install 'ladle[ray]'`")
 
 
 def lora_modules(specs: list[str]) -> dict[str, str]:

@@ -80,7 +80,7 @@ def test_bad_parallel_settings_are_refused_before_any_worker_starts(smollm2_dir:
     with pytest.raises(ValueError, match="enable_lora"):
         EngineConfig(tensor_parallel_size=2, enable_lora=True)
     with pytest.raises(ValueError, match="distributed_executor_backend"):
-        EngineConfig(tensor_parallel_size=2, distributed_executor_backend="ray")
+        EngineConfig(tensor_parallel_size=2, distributed_executor_backend="mpi")
 
 
 def test_server_reports_expert_load_and_a_dead_worker(tmp_path: Path, smollm2_dir: Path) -> None:
@@ -95,8 +95,8 @@ def test_server_reports_expert_load_and_a_dead_worker(tmp_path: Path, smollm2_di
                   if line.startswith("ladle:moe_expert_tokens_total{")]
         assert len(counts) == 2 * 4 and sum(counts) > 0  # 2 layers x 4 experts
         assert 'ladle:tensor_parallel_size{expert_parallel="true"' in metrics
-        (worker,) = server.engine.engine.runner.workers.procs
-        os.kill(worker.pid, signal.SIGKILL)
+        (pid,) = server.engine.engine.runner.workers.ranks.pids
+        os.kill(pid, signal.SIGKILL)
         deadline = time.monotonic() + 10
         while httpx.get(f"{server.url}/health").status_code == 200:
             assert time.monotonic() < deadline, "the dead worker was not noticed"
@@ -105,3 +105,28 @@ def test_server_reports_expert_load_and_a_dead_worker(tmp_path: Path, smollm2_di
         assert health.status_code == 503 and "exited with code -9" in health.json()["error"]["message"]
         reply = httpx.post(f"{server.url}/v1/completions", json=body, timeout=30)  # fails fast, no hang
         assert reply.status_code == 503 and "worker" in reply.json()["error"]["message"]
+
+
+def test_ray_backend_places_the_ranks_on_a_local_ray_head(tmp_path: Path, smollm2_dir: Path) -> None:
+    """--distributed-executor-backend ray: the same shards as `mp`, so the same bits; a killed actor is noticed."""
+    folder = build_tiny_model("llama", tmp_path / "m", smollm2_dir)
+    # deterministic: the same kernels whatever start-up measures, so the two placements can agree bit for bit
+    local = run(LLM(str(folder), dtype="float32", tensor_parallel_size=2, deterministic=True))
+    llm = LLM(str(folder), dtype="float32", tensor_parallel_size=2, deterministic=True,
+              distributed_executor_backend="ray")
+    try:
+        on_ray = llm.generate(PROMPTS, PARAMS)
+        for a, b in zip(local, on_ray):
+            assert b.outputs[0].token_ids == a.outputs[0].token_ids
+            assert [s.logprob for s in b.outputs[0].logprobs] == [s.logprob for s in a.outputs[0].logprobs]
+        workers = llm.engine.runner.workers
+        (pid,) = workers.ranks.pids
+        assert pid != os.getpid()  # an actor's process
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while llm.engine.healthy:
+            assert time.monotonic() < deadline, "the dead actor was not noticed"
+            time.sleep(0.1)
+        assert "rank 1 (Ray actor" in llm.engine.failure and "died" in llm.engine.failure
+    finally:
+        llm.engine.close()

@@ -4,9 +4,10 @@ The engine's process is rank 0, the driver: its scheduler decides every step, an
 call it makes (forward, logits, a KV copy) is broadcast to the workers first, which make the
 same call on their shards; the forward's all-reduces and all-to-alls then join the ranks.
 Commands go over one gloo group that waits as long as the engine idles, the forward's
-collectives over another with a short timeout. `mp` starts the workers as local processes.
-A worker that dies is noticed (its process sentinel, or a collective that fails) and turns
-every later call into WorkerDiedError, which the server reports as an unhealthy engine.
+collectives over another with a short timeout. `mp` starts the workers as local processes,
+`ray` as actors on a Ray cluster (ladle.distributed.ray_ranks). A worker that dies is noticed
+(its process or actor ends, or a collective fails) and turns every later call into
+WorkerDiedError, which the server reports as an unhealthy engine.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import socket
 import subprocess
 import sys
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
 
@@ -55,8 +56,9 @@ class RankSpec:
     world: int
     expert_parallel: bool
     num_threads: int
-    host: str
-    port: int
+    backend: str = "mp"  # how ranks 1..world-1 start: "mp" (local processes) or "ray"
+    host: str = "127.0.0.1"  # where rank 0 hosts the TCP store: set by WorkerGroup
+    port: int = 0
 
 
 def build_rank_model(spec: RankSpec, rank: int, comm: ProcessGroupComm,
@@ -96,9 +98,9 @@ def _broadcast(group: object, payload: bytes | None) -> bytes:
     return payload if payload is not None else data.numpy().tobytes()
 
 
-def free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
@@ -132,20 +134,65 @@ def worker_main(spec: RankSpec, rank: int) -> None:
             return
 
 
+class LocalRanks:
+    """`mp`: ranks 1..world-1 as processes on this machine, dying with it."""
+
+    host = "127.0.0.1"
+
+    def start(self, spec: RankSpec) -> None:
+        # fresh interpreters (not multiprocessing's spawn, which would re-run the user's main script)
+        self.procs = [subprocess.Popen([sys.executable, "-m", "ladle.distributed.tensor_parallel"],
+                                       stdin=subprocess.PIPE, preexec_fn=_die_with_parent)
+                      for _ in range(1, spec.world)]
+        for rank, p in enumerate(self.procs, start=1):
+            p.stdin.write(pickle.dumps((spec, rank)))
+            p.stdin.close()
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    def wait(self, rank: int) -> str:
+        """Blocks until the rank's process ends; how it ended."""
+        proc = self.procs[rank - 1]
+        return f"(pid {proc.pid}) exited with code {proc.wait()}"
+
+    def settle(self, timeout: float) -> None:
+        """Gives ranks that are dying the time to end (so the failure names how)."""
+        for p in self.procs:
+            try:
+                p.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                pass
+
+    def stop(self, timeout: float) -> None:
+        """Waits for ranks told to stop; kills the ones that do not."""
+        for p in self.procs:
+            try:
+                p.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def _start_ranks(backend: str):
+    if backend == "ray":
+        from ladle.distributed.ray_ranks import RayRanks
+
+        return RayRanks()
+    return LocalRanks()
+
+
 class WorkerGroup:
     """The driver's side: starts ranks 1..world-1 and sends them its commands."""
 
     def __init__(self, spec: RankSpec):
-        self.spec = spec
         self.failure: str | None = None
         self._closed = False
-        # fresh interpreters (not multiprocessing's spawn, which would re-run the user's main script)
-        self.procs = [subprocess.Popen([sys.executable, "-m", "ladle.distributed.tensor_parallel"], stdin=subprocess.PIPE,
-                                       preexec_fn=_die_with_parent) for _ in range(1, spec.world)]
-        for rank, p in enumerate(self.procs, start=1):
-            p.stdin.write(pickle.dumps((spec, rank)))
-            p.stdin.close()
-            threading.Thread(target=self._watch, args=(rank, p), name=f"ladle-tp{rank}-watch", daemon=True).start()
+        self.ranks = _start_ranks(spec.backend)
+        self.spec = spec = replace(spec, host=self.ranks.host, port=free_port(self.ranks.host))
+        self.ranks.start(spec)
+        for rank in range(1, spec.world):
+            threading.Thread(target=self._watch, args=(rank,), name=f"ladle-tp{rank}-watch", daemon=True).start()
         self.compute, self.commands, self._store = _groups(spec, 0)
         self.comm = ProcessGroupComm(self.compute)
 
@@ -153,10 +200,10 @@ class WorkerGroup:
         """Waits until every worker has built its shard."""
         self._guard(lambda: _broadcast(self.commands, b"start"))
 
-    def _watch(self, rank: int, proc: subprocess.Popen) -> None:
-        code = proc.wait()
+    def _watch(self, rank: int) -> None:
+        how = self.ranks.wait(rank)
         if not self._closed:
-            self.failure = f"tensor-parallel worker rank {rank} (pid {proc.pid}) exited with code {code}"
+            self.failure = f"tensor-parallel worker rank {rank} {how}"
             log.error("%s; the engine cannot compute any more", self.failure)
 
     def _guard(self, fn):
@@ -165,11 +212,7 @@ class WorkerGroup:
         try:
             return fn()
         except RuntimeError as e:  # a collective failed: most likely a worker died under it
-            for p in self.procs:
-                try:
-                    p.wait(timeout=2.0)
-                except subprocess.TimeoutExpired:
-                    pass
+            self.ranks.settle(timeout=2.0)
             self.failure = self.failure or f"a tensor-parallel collective failed: {e}"
             raise WorkerDiedError(self.failure) from e
 
@@ -192,11 +235,7 @@ class WorkerGroup:
                 self.call("stop")
             except WorkerDiedError:
                 pass
-        for p in self.procs:
-            try:
-                p.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        self.ranks.stop(timeout=5.0)
 
 
 class ParallelModel:
@@ -226,8 +265,9 @@ def start_parallel_model(spec: RankSpec, weights: dict) -> tuple[ParallelModel, 
     except BaseException:
         workers.close()
         raise
-    log.info("tensor parallel: %d ranks (%s), %s", spec.world, "experts spread over ranks" if spec.expert_parallel
-             else "every expert split", f"{spec.num_threads} thread(s) each, pid {os.getpid()} is rank 0")
+    log.info("tensor parallel: %d ranks on %s (%s), %s", spec.world, spec.backend,
+             "experts spread over ranks" if spec.expert_parallel else "every expert split",
+             f"{spec.num_threads} thread(s) each, pid {os.getpid()} is rank 0")
     return ParallelModel(local, workers), kv, workers
 
 

@@ -126,13 +126,13 @@ class LLMEngine:
             raise ValueError("LoRA adapters on mixture-of-experts models are not supported yet")
         if c.tensor_parallel_size == 1:
             return None
-        from ladle.distributed.tensor_parallel import RankSpec, free_port
+        from ladle.distributed.tensor_parallel import RankSpec
         from ladle.model.sharding import Shard
 
         Shard(0, c.tensor_parallel_size, c.enable_expert_parallel).check(self.model_config)  # before any worker starts
         return RankSpec(str(folder), self.model_config, self.dtype.dtype, c.quantization, num_blocks, c.block_size,
-                        self.kv_dtype, c.tensor_parallel_size, c.enable_expert_parallel, c.num_threads, "127.0.0.1",
-                        free_port())
+                        self.kv_dtype, c.tensor_parallel_size, c.enable_expert_parallel, c.num_threads,
+                        c.distributed_executor_backend)
 
     def close(self) -> None:
         """Stops what the engine started outside this process's threads (tensor-parallel workers)."""
