@@ -170,7 +170,7 @@ def shared_prefix(args: argparse.Namespace, work: Path) -> list[dict]:
 
 def warm_restart(args: argparse.Namespace, work: Path) -> list[dict]:
     prefixes, requests = prefix_requests(args, np.random.default_rng(0))
-    print(f"\n(1b) the same traffic to workers whose caches are already warm (each prefix computed once on "
+    print("\n(1b) the same traffic to workers whose caches are already warm (each prefix computed once on "
           "one worker without the router: a restarted router, or a fleet shared by several)", flush=True)
     return [run_policy(args, work, p, requests, warm=prefixes) for p in ("cache_aware", "kv_events")]
 
