@@ -25,6 +25,14 @@ NEW_TOKENS = 8
 PARAMS = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=3)
 
 
+@pytest.fixture(autouse=True)
+def _restore_threads():
+    """A TP engine sets this process's thread count to its share of the cores; later tests get theirs back."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
 def run(llm: LLM) -> list:
     try:
         return llm.generate(PROMPTS, PARAMS)
@@ -110,6 +118,9 @@ def test_server_reports_expert_load_and_a_dead_worker(tmp_path: Path, smollm2_di
 def test_ray_backend_places_the_ranks_on_a_local_ray_head(tmp_path: Path, smollm2_dir: Path) -> None:
     """--distributed-executor-backend ray: the same shards as `mp`, so the same bits; a killed actor is noticed."""
     folder = build_tiny_model("llama", tmp_path / "m", smollm2_dir)
+    with pytest.raises(ValueError, match="cannot place 1 tensor-parallel worker"):  # more CPUs than this machine has
+        LLM(str(folder), dtype="float32", tensor_parallel_size=2, num_threads=(os.cpu_count() or 1) + 1,
+            distributed_executor_backend="ray")
     # deterministic: the same kernels whatever start-up measures, so the two placements can agree bit for bit
     local = run(LLM(str(folder), dtype="float32", tensor_parallel_size=2, deterministic=True))
     llm = LLM(str(folder), dtype="float32", tensor_parallel_size=2, deterministic=True,

@@ -26,7 +26,7 @@ class RayRanks:
         try:
             import ray
         except ImportError as e:
-            raise RuntimeError("distributed_executor_backend='ray' needs Ray: pip install 'ladle[ray]'") from e
+            raise ValueError("distributed_executor_backend='ray' needs Ray: pip install 'ladle[ray]'") from e
         self.ray = ray
         self._owns_ray = not ray.is_initialized()
         if self._owns_ray:
@@ -42,15 +42,13 @@ class RayRanks:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         ray, need = self.ray, spec.world - 1
+        if self._owns_ray and need * spec.num_threads > ray.cluster_resources().get("CPU", 0):
+            self._refuse(spec, "on the local Ray instance")  # nothing will join it: say so now, not in 60 s
         self.group = placement_group([{"CPU": spec.num_threads}] * need, strategy="PACK")
         try:
             ray.get(self.group.ready(), timeout=PLACEMENT_TIMEOUT_S)
         except ray.exceptions.GetTimeoutError:
-            free = ray.available_resources().get("CPU", 0)
-            self.stop(0.0)
-            raise RuntimeError(f"the Ray cluster could not place {need} tensor-parallel worker(s) of "
-                               f"{spec.num_threads} CPU(s) each within {PLACEMENT_TIMEOUT_S:.0f} s "
-                               f"({free:g} CPUs free); lower --num-threads or add nodes") from None
+            self._refuse(spec, f"within {PLACEMENT_TIMEOUT_S:.0f} s")
         actor = ray.remote(_RankActor)
         for rank in range(1, spec.world):
             strategy = PlacementGroupSchedulingStrategy(placement_group=self.group,
@@ -59,6 +57,13 @@ class RayRanks:
         self.where = ray.get([a.where.remote() for a in self.actors])
         self.runs = [a.run.remote(spec, rank) for rank, a in enumerate(self.actors, start=1)]
         log.info("Ray: ranks 1..%d on %s", need, ", ".join(f"{ip} pid {pid}" for pid, ip in self.where))
+
+    def _refuse(self, spec, where: str) -> None:
+        free = self.ray.available_resources().get("CPU", 0)
+        self.stop(0.0)
+        raise ValueError(f"the Ray cluster cannot place {spec.world - 1} tensor-parallel worker(s) of "
+                         f"{spec.num_threads} CPU(s) each {where} ({free:g} CPUs free); lower --num-threads "
+                         "or add nodes")
 
     @property
     def pids(self) -> list[int]:
