@@ -26,7 +26,7 @@ from ladle.model.kernels.routing import MatmulRouting, choose_routing, forced_ro
 from ladle.model.layers import Linear, RotaryEmbedding, add_rms_norm, apply_rotary, rms_norm, silu_and_mul
 from ladle.model.moe import MoEBlock, load_moe_block
 from ladle.model.quantization import GroupedWeight, cat_weights, choose_prefill_route, make_linear
-from ladle.model.sharding import Shard, head_rows
+from ladle.model.sharding import Shard, head_rows, padded_spans
 
 if TYPE_CHECKING:
     from ladle.lora.slots import LoRABatch
@@ -107,7 +107,6 @@ class LlamaForCausalLM:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, not {quantization!r}")
         shard.check(cfg)
         w = dict(weights)
-        self.vocab_size = cfg.vocab_size
         self.cfg = cfg
         self.shard, self.comm = shard, comm
         self.attention = attention
@@ -123,9 +122,8 @@ class LlamaForCausalLM:
         lm_head = w.pop("lm_head.weight", None)
         if lm_head is None or (cfg.tie_word_embeddings and not isinstance(lm_head, GroupedWeight)):
             lm_head = self.embed
-        self.vocab_counts = [len(range(self.vocab_size)[Shard(r, shard.world).padded_span(self.vocab_size)])
-                             for r in range(shard.world)]
-        self.lm_head = linear(shard.rows(lm_head, shard.padded_span(self.vocab_size)), None)
+        self.vocab_counts = [s.stop - s.start for s in padded_spans(cfg.vocab_size, shard.world)]
+        self.lm_head = linear(shard.rows(lm_head, shard.padded_span(cfg.vocab_size)), None)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         self.q_size = cfg.num_attention_heads * cfg.head_dim
         self.kv_size = cfg.num_key_value_heads * cfg.head_dim

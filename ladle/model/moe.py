@@ -20,7 +20,7 @@ from ladle.model.collectives import Single
 from ladle.model.config import ModelConfig, MoEConfig
 from ladle.model.layers import Linear, silu_and_mul
 from ladle.model.quantization import GroupedWeight
-from ladle.model.sharding import Shard
+from ladle.model.sharding import Shard, padded_spans
 
 Weight = torch.Tensor | GroupedWeight
 
@@ -110,9 +110,7 @@ class MoEBlock:
                          inv: bool) -> torch.Tensor:
         comm, k = self.comm, self.cfg.top_k
         per_rank = self.cfg.num_experts // comm.world
-        t = x.shape[0]
-        run = -(-t // comm.world)
-        spans = [(min(t, r * run), min(t, (r + 1) * run)) for r in range(comm.world)]
+        spans = [(s.start, s.stop) for s in padded_spans(x.shape[0], comm.world)]
         lo, hi = spans[comm.rank]
         # what this rank sends: its tokens' choices, sorted by expert, hence by the rank that holds it
         mine = chosen[lo:hi].flatten()
@@ -137,10 +135,9 @@ class MoEBlock:
 
 def _expert_weights(w: dict[str, Weight], prefix: str, j: int, model_type: str) -> tuple[Weight, Weight, Weight]:
     """(gate, up, down) of expert j, from per-expert tensors or transformers' fused 3-D ones."""
-    if model_type == "mixtral":
-        e = f"{prefix}experts.{j}."
-        return w.pop(e + "w1.weight"), w.pop(e + "w3.weight"), w.pop(e + "w2.weight")
     e = f"{prefix}experts.{j}."
+    if model_type == "mixtral":
+        return w.pop(e + "w1.weight"), w.pop(e + "w3.weight"), w.pop(e + "w2.weight")
     if e + "gate_proj.weight" in w:
         return w.pop(e + "gate_proj.weight"), w.pop(e + "up_proj.weight"), w.pop(e + "down_proj.weight")
     gate_up, down = w[prefix + "experts.gate_up_proj"][j], w[prefix + "experts.down_proj"][j]

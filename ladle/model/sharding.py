@@ -36,8 +36,7 @@ class Shard:
 
     def padded_span(self, n: int) -> slice:
         """This rank's share of n rows split in ceil(n / world) runs, the last one short."""
-        part = -(-n // self.world)
-        return slice(min(n, self.rank * part), min(n, (self.rank + 1) * part))
+        return padded_spans(n, self.world)[self.rank]
 
     def experts(self, num_experts: int) -> range:
         """The experts this rank computes: all of them unless experts are spread over ranks."""
@@ -100,6 +99,12 @@ class Shard:
     def column_parallel(self, parts: list[Weight]) -> list[Weight]:
         """Each of several fused projections (gate and up, say) cut to this rank's output rows."""
         return [self.rows(p, self.span(p.shape[0])) for p in parts]
+
+
+def padded_spans(n: int, world: int) -> list[slice]:
+    """Every rank's share of n rows split in ceil(n / world) runs, the last one short (or empty)."""
+    part = -(-n // world)
+    return [slice(min(n, r * part), min(n, (r + 1) * part)) for r in range(world)]
 
 
 def head_rows(shard: Shard, num_heads: int, head_dim: int) -> slice:
