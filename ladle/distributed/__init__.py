@@ -1,1 +1,1 @@
-"""Work spread over processes: KV handed from a prefill worker to a decode worker."""
+"""Work spread over processes: tensor-parallel ranks, and KV handed from a prefill worker to a decode worker."""

@@ -12,11 +12,12 @@ WorkerDiedError, which the server reports as an unhealthy engine.
 
 from __future__ import annotations
 
+import functools
 import io
 import logging
 import os
 import pickle
-import socket
+import signal
 import subprocess
 import sys
 import threading
@@ -26,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from ladle.distributed.processes import die_with_parent, free_port
 from ladle.model.attention import KVCache, TorchPagedAttention
 from ladle.model.collectives import ProcessGroupComm
 from ladle.model.config import ModelConfig
@@ -98,26 +100,9 @@ def _broadcast(group: object, payload: bytes | None) -> bytes:
     return payload if payload is not None else data.numpy().tobytes()
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def _die_with_parent() -> None:
-    """Linux kills this worker when the driver's process dies, however it dies."""
-    try:
-        import ctypes
-        import signal
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
 def worker_main(spec: RankSpec, rank: int) -> None:
     """A worker process: build the shard, then run the driver's commands until told to stop."""
-    _die_with_parent()
+    die_with_parent(signal.SIGKILL)  # the driver's rank is gone: nothing is left to compute
     torch.set_num_threads(spec.num_threads)
     compute, commands, _store = _groups(spec, rank)
     model, kv = build_rank_model(spec, rank, ProcessGroupComm(compute))
@@ -142,7 +127,8 @@ class LocalRanks:
     def start(self, spec: RankSpec) -> None:
         # fresh interpreters (not multiprocessing's spawn, which would re-run the user's main script)
         self.procs = [subprocess.Popen([sys.executable, "-m", "ladle.distributed.tensor_parallel"],
-                                       stdin=subprocess.PIPE, preexec_fn=_die_with_parent)
+                                       stdin=subprocess.PIPE,
+                                       preexec_fn=functools.partial(die_with_parent, signal.SIGKILL))
                       for _ in range(1, spec.world)]
         for rank, p in enumerate(self.procs, start=1):
             p.stdin.write(pickle.dumps((spec, rank)))

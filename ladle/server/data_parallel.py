@@ -8,12 +8,14 @@ stops. Across machines, run `ladle serve` on each and `ladle router --worker URL
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
+
+from ladle.distributed.processes import die_with_parent, free_port
 
 # flags that belong to the fleet, not to each replica (with how many values they take)
 FLEET_FLAGS = {"--data-parallel-size": 1, "-dp": 1, "--router-policy": 1, "--host": 1, "--port": 1}
@@ -42,34 +44,19 @@ def threads_per_replica(args: argparse.Namespace) -> int:
     return max(1, (os.cpu_count() or 1) // args.data_parallel_size)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_replicas(args: argparse.Namespace, argv: list[str]) -> list[tuple[subprocess.Popen, str]]:
     base = replica_argv(argv)
     threads = threads_per_replica(args)
     replicas = []
     for i in range(args.data_parallel_size):
-        port = _free_port()
+        port = free_port()
         cmd = [sys.executable, "-m", "ladle.cli", "serve", *base, "--host", "127.0.0.1", "--port", str(port),
                "--no-webui"] + ([] if args.num_threads is not None else ["--num-threads", str(threads)])
         print(f"ladle: replica {i} on 127.0.0.1:{port} ({threads} thread(s))", file=sys.stderr, flush=True)
-        replicas.append((subprocess.Popen(cmd, preexec_fn=_die_with_parent), f"http://127.0.0.1:{port}"))
+        # SIGTERM when the fleet's process dies: a replica still stops cleanly
+        replicas.append((subprocess.Popen(cmd, preexec_fn=functools.partial(die_with_parent, signal.SIGTERM)),
+                         f"http://127.0.0.1:{port}"))
     return replicas
-
-
-def _die_with_parent() -> None:
-    """In a replica before it starts: Linux sends it SIGTERM when the fleet's process dies, even
-    by SIGKILL, so no replica outlives it."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
 
 
 def wait_healthy(replicas: list[tuple[subprocess.Popen, str]]) -> None:
