@@ -14,6 +14,10 @@ SCHEDULING_POLICIES = ("fcfs", "priority", "lpm")
 QUANTIZATIONS = ("auto", "none", "int8")  # ladle.model.quantization's meanings
 KV_8BIT_NAMES = ("int8", "fp8", "fp8_e4m3")  # ladle.model.kv_quant's formats (named here: no torch import)
 EXECUTOR_BACKENDS = ("mp", "ray")  # ladle.distributed.tensor_parallel's
+DEVICES = ("auto", "cpu", "cuda")  # ladle.platform's
+ATTENTION_BACKENDS = ("auto", "torch", "triton")  # auto: the platform's own (torch on the CPU, triton on CUDA)
+LOAD_FORMATS = ("auto", "dummy")  # dummy: random weights of the config's shapes, made where they are used
+CPU_KV_CACHE_GIB = 4.0  # the CPU's pool when neither --kv-cache-memory-gib nor --num-kv-blocks is given
 
 
 @dataclass
@@ -27,7 +31,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 512  # token budget of one step (decodes + prefill chunks)
     long_prefill_token_threshold: int = 0  # >0: largest prefill chunk one sequence gets per step
     block_size: int = 16
-    kv_cache_memory_gib: float = 4.0
+    kv_cache_memory_gib: float | None = None  # None: CPU_KV_CACHE_GIB on the CPU; measured on CUDA (below)
     num_kv_blocks: int | None = None  # overrides kv_cache_memory_gib (tests force tiny pools)
     scheduling_policy: str = "fcfs"
     enable_prefix_caching: bool = True
@@ -61,6 +65,12 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     enable_expert_parallel: bool = False  # MoE experts spread whole over the ranks (all-to-all) instead of split
     distributed_executor_backend: str = "mp"  # how the ranks start: mp (local processes) or ray (a Ray cluster)
+    # where it computes (ladle.platform): auto is CUDA when torch sees a GPU
+    device: str = "auto"
+    gpu_memory_utilization: float = 0.9  # CUDA: this share of the GPU's memory for weights, activations and KV
+    enforce_eager: bool = False  # CUDA: no graphs (decode steps launch every kernel from Python)
+    attention_backend: str = "auto"
+    load_format: str = "auto"
 
     def __post_init__(self) -> None:
         if isinstance(self.kv_transfer_config, (dict, str)):
@@ -93,11 +103,22 @@ class EngineConfig:
         if self.max_high_effort_seqs < 0 or self.high_effort_tokens < 0 or self.kv_offload_gib < 0:
             raise ValueError("max_high_effort_seqs, high_effort_tokens and kv_offload_gib must be non-negative")
         self._check_parallel()
+        self._check_device()
         if self.max_num_batched_tokens < self.block_size:
             # canonical (scoring) chunks end on block boundaries: a smaller budget never reaches one
             raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
                              f"block_size ({self.block_size})")
 
+    def _check_device(self) -> None:
+        for name, value, allowed in (("device", self.device, DEVICES),
+                                     ("attention_backend", self.attention_backend, ATTENTION_BACKENDS),
+                                     ("load_format", self.load_format, LOAD_FORMATS)):
+            if value not in allowed:
+                raise ValueError(f"{name} (--{name.replace('_', '-')}) must be one of {allowed}, not {value!r}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError("gpu_memory_utilization (--gpu-memory-utilization) must be in (0, 1]")
+        if self.kv_cache_memory_gib is not None and self.kv_cache_memory_gib <= 0:
+            raise ValueError("kv_cache_memory_gib (--kv-cache-memory-gib) must be positive")
 
     def _check_parallel(self) -> None:
         if self.tensor_parallel_size < 1:
@@ -109,6 +130,7 @@ class EngineConfig:
             return
         # these read or write one rank's KV blocks or weights: not built for sharded ones yet
         clashes = {"enable_lora (--enable-lora)": self.enable_lora,
+                   "load_format (--load-format) dummy": self.load_format == "dummy",
                    "kv_offload_gib (--kv-offload-gib)": self.kv_offload_gib > 0,
                    "kv_transfer_config (--kv-transfer-config)": self.kv_transfer_config is not None}
         bad = [name for name, on in clashes.items() if on]
@@ -133,8 +155,9 @@ def add_engine_arguments(parser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens)
     g.add_argument("--long-prefill-token-threshold", type=int, default=0)
     g.add_argument("--block-size", type=int, default=EngineConfig.block_size)
-    g.add_argument("--kv-cache-memory-gib", type=float, default=EngineConfig.kv_cache_memory_gib,
-                   help="memory preallocated for the paged KV cache")
+    g.add_argument("--kv-cache-memory-gib", type=float, default=None,
+                   help=f"memory preallocated for the paged KV cache (default: {CPU_KV_CACHE_GIB} GiB on the CPU; "
+                        "on CUDA what --gpu-memory-utilization leaves after weights and a profiled forward)")
     g.add_argument("--num-kv-blocks", type=int, default=None, help="exact KV pool size in blocks (overrides memory)")
     g.add_argument("--scheduling-policy", "--schedule-policy", choices=SCHEDULING_POLICIES, default="fcfs",
                    help="fcfs, priority (request field `priority`, lower runs sooner) or lpm (longest cached prefix first)")
@@ -198,6 +221,20 @@ def add_engine_arguments(parser) -> None:
                         "and read back on a later prefix hit instead of recomputed (0: off)")
     g.add_argument("--kv-offload-dir", default=None,
                    help="folder for the tier's files (a private subfolder, removed at exit; default: the temp dir)")
+    g = parser.add_argument_group("device")
+    g.add_argument("--device", choices=DEVICES, default="auto",
+                   help="where the model computes: auto is cuda when torch sees an NVIDIA GPU, else cpu")
+    g.add_argument("--gpu-memory-utilization", type=float, default=EngineConfig.gpu_memory_utilization,
+                   help="CUDA: the share of the GPU's memory this engine may use (weights, activations measured "
+                        "by a profiling forward, and the KV pool: the rest of it); --kv-cache-memory-gib wins")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="CUDA: do not capture CUDA graphs for decode steps")
+    g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
+                   help="paged attention kernels: torch (the CPU's), triton (CUDA's; on the CPU only under "
+                        "TRITON_INTERPRET=1, for tests); auto: the device's own")
+    g.add_argument("--load-format", choices=LOAD_FORMATS, default="auto",
+                   help="dummy: random weights of the shapes config.json gives, made on the device (benchmarks "
+                        "of a model's shape without its checkpoint)")
     g = parser.add_argument_group("disaggregated prefill/decode")
     g.add_argument("--kv-transfer-config", default=None, metavar="JSON",
                    help='this worker\'s role, as vLLM takes it: \'{"kv_role": "kv_producer", "kv_port": 14579}\' '
@@ -252,4 +289,6 @@ def engine_config_from_args(args) -> EngineConfig:
         kv_transfer_config=KVTransferConfig.parse(args.kv_transfer_config) if args.kv_transfer_config else None,
         tensor_parallel_size=args.tensor_parallel_size, enable_expert_parallel=args.enable_expert_parallel,
         distributed_executor_backend=args.distributed_executor_backend,
+        device=args.device, gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
+        attention_backend=args.attention_backend, load_format=args.load_format,
     )

@@ -16,6 +16,7 @@ import httpx
 import pytest
 import torch
 from conftest import VOCAB, Tiny  # the tiny 64-token model (fixture `tiny`)
+from sampling_refs import chi_square_p, min_p_keeping, top_p_keeping
 from server_utils import MODEL, Server, own_server
 
 from ladle import LLM, SamplingParams
@@ -74,21 +75,6 @@ def vllm_penalised(z: torch.Tensor, prompt: list[int], output: list[int], repeti
     return z - frequency_penalty * counts - presence_penalty * (counts > 0)
 
 
-def chi_square_p(counts: torch.Tensor, probs: torch.Tensor, min_expected: float = 5.0) -> float:
-    """Pearson's goodness-of-fit p-value of `counts` against `probs`; tokens expected fewer than
-    `min_expected` times are pooled into one bin. A count where probs is 0 gives 0."""
-    counts, probs = counts.double(), probs.double()
-    if counts[probs == 0].sum() > 0:
-        return 0.0
-    expected = probs * counts.sum()
-    big = expected >= min_expected
-    obs = torch.cat([counts[big], counts[~big].sum()[None]])
-    exp = torch.cat([expected[big], expected[~big].sum()[None]])
-    obs, exp = obs[exp > 0], exp[exp > 0]
-    stat = ((obs - exp) ** 2 / exp).sum()
-    return float(torch.special.gammaincc(torch.tensor((len(obs) - 1) / 2, dtype=torch.float64), stat / 2))
-
-
 def first_token_counts(llm: LLM, n: int, **params: float) -> torch.Tensor:
     """How often each token came first in n seeded samples of PROMPT's continuation."""
     res = llm.generate([PROMPT], SamplingParams(n=n, seed=1234, max_tokens=1, ignore_eos=True, **params))[0]
@@ -106,18 +92,6 @@ def test_temperature_samples_softmax_of_scaled_logits(tiny: Tiny, llm: LLM, temp
 
 
 # -- top_k, top_p, min_p -----------------------------------------------------------
-
-
-def top_p_keeping(probs: torch.Tensor, m: int) -> float:
-    """A top_p that keeps exactly the m most likely tokens, halfway between the two edges."""
-    cum = probs.sort(descending=True).values.cumsum(-1)
-    return float(cum[m - 2] + cum[m - 1]) / 2
-
-
-def min_p_keeping(probs: torch.Tensor, m: int) -> float:
-    """A min_p that keeps exactly the m most likely tokens, halfway (in log) between the two edges."""
-    ratio = probs.sort(descending=True).values / probs.max()
-    return float((ratio[m - 1] * ratio[m]).sqrt())
 
 
 HOT = 1.5  # filters are tested at a high temperature: mass spreads over many tokens

@@ -28,9 +28,10 @@ def test_models_health_version(server: Server, client: openai.OpenAI) -> None:
     assert client.models.retrieve(MODEL).id == MODEL
     assert httpx.get(f"{server.url}/health").status_code == 200
     version = httpx.get(f"{server.url}/version").json()
-    assert set(version) == {"version", "dtype", "dtype_reason", "quantization", "weights", "kv_cache_dtype", "kernels",
-                            "matmul"}
+    assert set(version) == {"version", "device", "dtype", "dtype_reason", "quantization", "weights", "kv_cache_dtype",
+                            "kernels", "matmul"}
     assert version["version"] == ladle.__version__
+    assert version["device"] == f"cpu ({os.cpu_count()} cores)"  # CI has no GPU
     # the suite pins float32 (conftest), so the choice is the one asked for
     assert version["dtype"] == version["kv_cache_dtype"] == "float32" and version["dtype_reason"] == "requested"
     # the default model's Q4_1 layers and tied Q8_0 head served from their blocks
@@ -301,5 +302,6 @@ def test_ladle_serve_subprocess() -> None:
             out, _ = proc.communicate()
     assert proc.returncode == 0, out
     assert f"http://127.0.0.1:{port}/v1" in out
-    assert "ladle: dtype float32 (requested)" in out and "matmuls: decode " in out  # LADLE_DTYPE from conftest
+    assert "; dtype float32 (requested)" in out and "matmuls: decode " in out  # LADLE_DTYPE from conftest
+    assert f"ladle: device cpu ({os.cpu_count()} cores)" in out
     assert "KV cache int8 (256 blocks of 16 tokens)" in out

@@ -5,6 +5,7 @@ Not thread-safe: one thread owns an engine (the server wraps it in `AsyncEngine`
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import os
@@ -28,16 +29,16 @@ from ladle.errors import InvalidRequestError
 from ladle.lora.adapter import AdapterError, AdapterRef
 from ladle.lora.registry import LoRARegistry
 from ladle.lora.slots import LoRASlots
-from ladle.model import kernels
 from ladle.model.attention import KVCache
 from ladle.model.config import ModelConfig
-from ladle.model.dtype import DTYPES, canonical_name, choose_dtype
+from ladle.model.dtype import DTYPES, canonical_name
 from ladle.model.kv_quant import KV_8BIT
 from ladle.model.quantization import describe as describe_weights
 from ladle.model.loader import holds_quantized_weights, load_weights, resolve_model_path
 from ladle.engine.runner import ModelRunner
 from ladle.engine.sampler import Sampler, token_logprob
 from ladle.model.tokenizer import IncrementalDetokenizer, Tokenizer
+from ladle.platform import resolve_platform
 from ladle.reasoning.budget import PROMPT_TAIL_TOKENS, ReasoningSpec
 from ladle.reasoning.parser import tags_for
 from ladle.spec_decode.proposer import Proposer
@@ -74,15 +75,22 @@ class LLMEngine:
         self.model_config = ModelConfig.from_folder(folder)
         self.tokenizer = Tokenizer.from_folder(folder)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.model_config.eos_token_ids)
-        self.dtype = choose_dtype(config.dtype, quantized=config.quantization == "int8" or (
-            config.quantization == "auto" and holds_quantized_weights(folder)))
+        self.platform = resolve_platform(config.device, config.attention_backend)
+        self.platform.check(config)
+        quantized = config.quantization == "int8" or (config.quantization == "auto" and holds_quantized_weights(folder))
+        self.dtype = self.platform.choose_dtype(config.dtype, quantized)
         self.kv_cache_dtype_name = kv_name = self._kv_cache_dtype_name()
         self.kv_dtype = KV_8BIT.get(kv_name) or DTYPES[kv_name]
-        native = kernels.native_kernels()
-        self.isa = native.isa if native is not None else "torch"
-        log.info("compute dtype %s (%s); KV cache %s; native kernels: %s", self.dtype.name, self.dtype.reason,
-                 kv_name, self.isa)
-        num_blocks = self._num_blocks()
+        self.isa = self.platform.kernels
+        log.info("device %s; compute dtype %s (%s); KV cache %s; kernels: %s", self.platform.describe(),
+                 self.dtype.name, self.dtype.reason, kv_name, self.isa)
+        num_blocks = self._fixed_num_blocks()
+        self.runner = ModelRunner(self.model_config, self._weights(folder), num_blocks, config.block_size,
+                                  self.kv_dtype, self._quantization(),
+                                  self._parallel_spec(folder, num_blocks), self.platform)
+        if num_blocks is None:  # the platform measures what is left for it
+            num_blocks = self._measured_num_blocks()
+            self.runner.allocate_kv_cache(num_blocks)
         pool_tokens = num_blocks * config.block_size
         log.info("KV cache: %d blocks of %d tokens (%d tokens, %s)", num_blocks, config.block_size, pool_tokens,
                  kv_name)
@@ -94,9 +102,8 @@ class LLMEngine:
                                  cache_outputs=not config.deterministic)
         self.kv_events = self._start_kv_events()
         self.scheduler = Scheduler(config, self.kv)
-        self.runner = ModelRunner(self.model_config, load_weights(folder, self.dtype.dtype), num_blocks,
-                                  config.block_size, self.kv_dtype, config.quantization,
-                                  self._parallel_spec(folder, num_blocks))
+        if self.platform.graphs and not config.enforce_eager:
+            self.runner.capture_decode_graphs(config.max_num_seqs, self.max_model_len)
         self.sampler = Sampler(config.seed)
         if config.kv_offload_gib > 0:
             self._start_offload()
@@ -174,7 +181,8 @@ class LLMEngine:
                 registry.add(name, path)
             except AdapterError as e:
                 raise ValueError(f"--lora-modules {name}={path}: {e}") from None
-        self.runner.enable_lora(LoRASlots(self.model_config, c.max_loras, c.max_lora_rank, self.dtype.dtype),
+        self.runner.enable_lora(LoRASlots(self.model_config, c.max_loras, c.max_lora_rank, self.dtype.dtype,
+                                           self.platform.device),
                                 registry.weights)
         log.info("LoRA: %d adapter(s) loaded, %d slot(s) of rank up to %d, %d kept in memory",
                  len(c.lora_modules), c.max_loras, c.max_lora_rank, c.max_cpu_loras)
@@ -230,13 +238,14 @@ class LLMEngine:
     def runtime_info(self) -> dict[str, str]:
         """How this engine computes on this machine, and why (the start log and /version)."""
         routing = self.runner.model.routing
-        return {"dtype": self.dtype.name, "dtype_reason": self.dtype.reason, "quantization": self.config.quantization,
+        return {"device": self.platform.describe(), "dtype": self.dtype.name, "dtype_reason": self.dtype.reason,
+                "quantization": self.config.quantization,
                 "weights": describe_weights(self.runner.model.linears),
                 "kv_cache_dtype": self.kv_cache_dtype_name, "kernels": self.isa,
                 "matmul": f"decode {routing.decode}, prefill {routing.prefill}"}
 
     def cache_config_info(self) -> dict[str, str]:
-        """The KV pool as vLLM's `vllm:cache_config_info` labels it (blocks are CPU blocks here)."""
+        """The KV pool as vLLM's `vllm:cache_config_info` labels it (on the CPU, its blocks are in RAM)."""
         return {"block_size": str(self.config.block_size), "cache_dtype": self.kv_cache_dtype_name,
                 "num_gpu_blocks": str(self.kv.num_blocks),
                 "enable_prefix_caching": str(self.config.enable_prefix_caching)}
@@ -247,14 +256,38 @@ class LLMEngine:
             return self.dtype.name
         return "fp8_e4m3" if name == "fp8" else name if name in KV_8BIT else canonical_name(name)
 
-    def _num_blocks(self) -> int:
-        if self.config.num_kv_blocks:
-            return self.config.num_kv_blocks
+    def _fixed_num_blocks(self) -> int | None:
+        """The pool's size in blocks as the flags fix it; None when the platform is to measure it."""
+        c = self.config
+        if c.num_kv_blocks:
+            return c.num_kv_blocks
+        gib = c.kv_cache_memory_gib if c.kv_cache_memory_gib is not None else self.platform.default_kv_cache_gib
+        return None if gib is None else max(1, int(gib * 2**30) // self._bytes_per_block())
+
+    def _measured_num_blocks(self) -> int:
+        c = self.config
+        max_len = c.max_model_len or self.model_config.max_position_embeddings
+        profile = functools.partial(self.runner.profile_forward, c.max_num_batched_tokens, max_len, c.max_num_seqs)
+        return self.platform.kv_cache_blocks(profile, c, self.model_config.vocab_size, self._bytes_per_block())
+
+    def _bytes_per_block(self) -> int:
         c = self.model_config
         kv_heads = c.num_key_value_heads // self.config.tensor_parallel_size  # the pool is per rank
-        per_block = KVCache.bytes_per_block(c.num_hidden_layers, self.config.block_size, max(1, kv_heads),
-                                            c.head_dim, self.kv_dtype)
-        return max(1, int(self.config.kv_cache_memory_gib * 2**30) // per_block)
+        return KVCache.bytes_per_block(c.num_hidden_layers, self.config.block_size, max(1, kv_heads), c.head_dim,
+                                       self.kv_dtype)
+
+    def _weights(self, folder) -> dict:
+        """The model's weights where the platform computes with them (random ones for --load-format dummy)."""
+        if self.config.load_format == "dummy":
+            from ladle.model.dummy import dummy_weights
+
+            return dummy_weights(self.model_config, self.dtype.dtype, self.platform.device, self.config.seed)
+        return self.platform.place_weights(load_weights(folder, self.dtype.dtype), self.dtype.dtype)
+
+    def _quantization(self) -> str:
+        """--quantization as the platform serves it: its weights may have been dequantised on the way in."""
+        q = self.config.quantization
+        return "none" if q == "auto" and not self.platform.keeps_quantized_weights else q
 
     # -- requests -------------------------------------------------------------
 
@@ -333,7 +366,7 @@ class LLMEngine:
 
     def _new_sequence(self, request_id: str, index: int, ids: list[int], params: SamplingParams,
                       priority: int, arrival: float, lora: AdapterRef | None = None) -> Sequence:
-        gen = None if params.seed is None else torch.Generator().manual_seed(params.seed + index)
+        gen = None if params.seed is None else self.platform.generator(params.seed + index)
         seq = Sequence(seq_id=next(self._seq_ids), request_id=request_id, index=index, token_ids=list(ids),
                        num_prompt_tokens=len(ids), params=params, arrival_time=arrival, priority=priority,
                        eos_token_ids=self.eos_token_ids, generator=gen,

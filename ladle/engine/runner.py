@@ -17,14 +17,14 @@ from ladle.engine.request import Sequence
 from ladle.engine.scheduler import ScheduledSeq
 from ladle.lora.adapter import AdapterRef, AdapterWeights
 from ladle.lora.slots import LoRABatch, LoRASlots
-from ladle.model.attention import (
-    AttentionMetadata, CanonicalRows, KVCache, PrefillSpan, TorchPagedAttention, padded_block_tables,
-)
+from ladle.model.attention import AttentionMetadata, CanonicalRows, KVCache, PrefillSpan, padded_block_tables
 from ladle.model.config import ModelConfig
 from ladle.model.llama import KeptStates, LlamaForCausalLM
+from ladle.platform import CpuPlatform, Platform
 
 if TYPE_CHECKING:
     from ladle.distributed.tensor_parallel import RankSpec, WorkerGroup
+    from ladle.engine.cuda_graphs import DecodeGraphs
 
 
 @dataclass
@@ -39,25 +39,71 @@ class StepLogits:
 
 
 class ModelRunner:
-    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], num_blocks: int, block_size: int,
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], num_blocks: int | None, block_size: int,
                  kv_dtype: torch.dtype = torch.float32, quantization: str = "none",
-                 parallel: RankSpec | None = None):
-        """parallel: start tensor-parallel workers and be their rank 0 (ladle.distributed.tensor_parallel)."""
+                 parallel: RankSpec | None = None, platform: Platform | None = None):
+        """parallel: start tensor-parallel workers and be their rank 0 (ladle.distributed.tensor_parallel).
+        num_blocks None: no KV pool yet (the platform measures what is left for one, then
+        allocate_kv_cache); platform: where it computes (default: the CPU)."""
         self.cfg = cfg
         self.block_size = block_size
+        self.kv_dtype = kv_dtype
+        self.platform = platform or CpuPlatform()
+        self.device = self.platform.device
         self.workers: WorkerGroup | None = None
+        self.graphs: DecodeGraphs | None = None
         if parallel is not None:
             from ladle.distributed.tensor_parallel import start_parallel_model
 
             self.model, self.kv_cache, self.workers = start_parallel_model(parallel, weights)
         else:
-            self.kv_cache = KVCache(cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads,
-                                    cfg.head_dim, dtype=kv_dtype)
-            backend = TorchPagedAttention(self.kv_cache, cfg.num_attention_heads, cfg.num_key_value_heads,
-                                          cfg.head_dim)
-            self.model = LlamaForCausalLM(cfg, weights, backend, quantization)
+            self.kv_cache = self._new_kv_cache(num_blocks or 1)
+            self.model = LlamaForCausalLM(cfg, weights, self._attention_backend(), quantization,
+                                          ops=self.platform.layer_ops())
         self.lora_slots: LoRASlots | None = None
         self._lora_weights: Callable[[AdapterRef], AdapterWeights] | None = None
+
+    def _new_kv_cache(self, num_blocks: int) -> KVCache:
+        c = self.cfg
+        return KVCache(c.num_hidden_layers, num_blocks, self.block_size, c.num_key_value_heads, c.head_dim,
+                       dtype=self.kv_dtype, device=self.device)
+
+    def _attention_backend(self):
+        c = self.cfg
+        return self.platform.attention_backend(self.kv_cache, c.num_attention_heads, c.num_key_value_heads, c.head_dim)
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        """A pool of num_blocks blocks in place of the one the runner has (nothing cached is kept)."""
+        self.kv_cache = None
+        self.model.attention = None
+        self.kv_cache = self._new_kv_cache(num_blocks)
+        self.model.attention = self._attention_backend()
+
+    def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
+        """Capture decode steps of up to max_num_seqs sequences as CUDA graphs, replayed from then on."""
+        from ladle.engine.cuda_graphs import DecodeGraphs
+
+        self.graphs = DecodeGraphs(self.model, max_num_seqs, -(-max_model_len // self.block_size) + 1, self.device)
+        self.graphs.capture()
+
+    def profile_forward(self, num_tokens: int, max_len: int, num_rows: int) -> None:
+        """One forward of num_tokens prompt tokens (in sequences of at most max_len) and logits for num_rows
+        rows, on a pool just large enough and freed after: the activations' peak, for sizing the pool."""
+        lens = [min(max_len, num_tokens - start) for start in range(0, num_tokens, max_len)]
+        blocks = sum(-(-n // self.block_size) for n in lens)
+        pool, backend = self.kv_cache, self.model.attention
+        self.kv_cache = self._new_kv_cache(blocks)
+        self.model.attention = self._attention_backend()
+        meta = AttentionMetadata(slot_mapping=torch.arange(num_tokens, device=self.device))
+        row, block = 0, 0
+        for n in lens:
+            table = torch.arange(block, block + -(-n // self.block_size))
+            meta.prefills.append(PrefillSpan(row, row + n, n, table))
+            row, block = row + n, block + len(table)
+        positions = torch.cat([torch.arange(n) for n in lens]).to(self.device)
+        hidden = self.model.forward(torch.zeros(num_tokens, dtype=torch.int64, device=self.device), positions, meta)
+        self.model.compute_logits(hidden[-1:].expand(num_rows, -1).contiguous())
+        self.kv_cache, self.model.attention = pool, backend
 
     def close(self) -> None:
         """Stops the tensor-parallel workers, if any."""
@@ -89,6 +135,8 @@ class ModelRunner:
                 self.kv_cache.copy_prefix(*item.seq.pending_copy)
                 item.seq.pending_copy = None
         batch = sorted(batch, key=lambda s: not self._is_decode(s))  # decodes first
+        if self.graphs is not None and self._replayable(batch):
+            return self._replay_decode(batch)
         input_ids, positions, slots = [], [], []
         for item in batch:
             seq, start = item.seq, item.seq.num_computed_tokens
@@ -97,15 +145,36 @@ class ModelRunner:
             positions.extend(pos)
             table = seq.block_table
             slots.extend(table[p // self.block_size] * self.block_size + p % self.block_size for p in pos)
-        meta = self._metadata(batch, torch.tensor(slots, dtype=torch.int64))
+        meta = self._metadata(batch, self._tensor(slots))
         keep, owners = self._kept_states(batch)
         lora = self._lora_batch([(item.seq, item.num_new_tokens) for item in batch])
-        hidden = self.model.forward(torch.tensor(input_ids), torch.tensor(positions), meta, keep, lora=lora)
+        hidden = self.model.forward(self._tensor(input_ids), self._tensor(positions), meta, keep, lora=lora)
         for item in batch:
             item.seq.in_step_copy = None
         if keep is not None:
             self._pool_kept_states(keep, owners)
         return self._logits(batch, hidden, meta.batch_invariant)
+
+    def _tensor(self, values: list[int]) -> torch.Tensor:
+        """int64 on the device: one host-to-device copy."""
+        return torch.tensor(values, dtype=torch.int64).to(self.device, non_blocking=True)
+
+    def _replayable(self, batch: list[ScheduledSeq]) -> bool:
+        """Whether a captured decode graph computes this step: plain decodes of generated tokens only
+        (no adapters, no drafts, no prompt rows wanting logprobs or hidden states), and few enough."""
+        return (all(self._is_decode(item) and item.seq.num_computed_tokens >= item.seq.num_prompt_tokens
+                    and item.seq.lora is None for item in batch)
+                and self.graphs.fits(len(batch), max(len(item.seq.block_table) for item in batch)))
+
+    def _replay_decode(self, batch: list[ScheduledSeq]) -> StepLogits:
+        bs = self.block_size
+        seqs = [item.seq for item in batch]
+        positions = [seq.num_computed_tokens for seq in seqs]
+        logits = self.graphs.replay(
+            tokens=[seq.token_ids[p] for seq, p in zip(seqs, positions)], positions=positions,
+            slots=[seq.block_table[p // bs] * bs + p % bs for seq, p in zip(seqs, positions)],
+            block_tables=[seq.block_table for seq in seqs], context_lens=[p + 1 for p in positions])
+        return StepLogits(seqs, logits, [], [])
 
     def _kept_states(self, batch: list[ScheduledSeq]) -> tuple[KeptStates | None, list[tuple[Sequence, int, int]]]:
         """The rows whose hidden states sequences asked for (their last prompt row, or for mean
@@ -164,10 +233,8 @@ class ModelRunner:
     def _set_decodes(self, meta: AttentionMetadata, seqs: list[Sequence], ctx: torch.Tensor) -> None:
         """The batch's first rows are one token each of `seqs`, attending to ctx[i] tokens."""
         tables = padded_block_tables([s.block_table for s in seqs])
-        keys = torch.arange(tables.shape[1] * self.block_size)
         meta.num_decodes = len(seqs)
         meta.decode_block_tables = tables
-        meta.decode_mask = (keys[None, :] < ctx[:, None])[:, None, None, :]
         meta.decode_context_lens = ctx
         ones = torch.ones(len(seqs), dtype=torch.int64)
         meta.decode_rows = CanonicalRows(tables, torch.arange(len(seqs)), ones, ctx - 1)
@@ -179,11 +246,11 @@ class ModelRunner:
         step writes again; the blocks must be allocated."""
         bs = self.block_size
         slots = [seq.block_table[p // bs] * bs + p % bs for seq, p in zip(seqs, positions)]
-        meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.int64))
-        pos = torch.tensor(positions)
-        self._set_decodes(meta, seqs, pos + 1)
+        meta = AttentionMetadata(slot_mapping=self._tensor(slots))
+        self._set_decodes(meta, seqs, torch.tensor(positions) + 1)
         lora = self._lora_batch([(seq, 1) for seq in seqs])
-        hidden = self.model.forward(torch.tensor(tokens), pos, meta, num_layers=num_layers, lora=lora)
+        hidden = self.model.forward(self._tensor(tokens), self._tensor(positions), meta, num_layers=num_layers,
+                                    lora=lora)
         return self.model.compute_logits(hidden)
 
     def _logits(self, batch: list[ScheduledSeq], hidden: torch.Tensor, batch_invariant: bool) -> StepLogits:

@@ -6,14 +6,23 @@ sampling settings, as in vLLM; a constrained row's are after its grammar mask (v
 masks before its sampler too), so they are renormalised over what the grammar allows.
 A token the engine forces (a think block closed on budget) is emitted as it is, with the
 model's logprob for it.
+
+The whole batch is sampled with tensor ops on the logits' device: each row's settings go up
+in two copies that do not wait for the device, and the tokens (with any logprobs) come back
+in one copy, the call's only wait on the device.
 """
 
 from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
 
 import torch
 
 from ladle.engine.request import Sequence, TokenLogprob
 from ladle.structured.matcher import apply_grammar_masks
+
+NEG_INF = float("-inf")
 
 
 def top_logprobs(logprobs: torch.Tensor, k: int) -> list[tuple[int, float]]:
@@ -27,74 +36,171 @@ def token_logprob(logprobs: torch.Tensor, token_id: int, k: int) -> TokenLogprob
     return TokenLogprob(token_id, float(logprobs[token_id]), top_logprobs(logprobs, k))
 
 
+def _upload(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list on `device`, copied from pinned memory without waiting for the device."""
+    host = torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda")
+    return host.to(device, non_blocking=True)
+
+
+@dataclass
+class BatchSettings:
+    """Each row's settings on the device ([B] tensors); token indices are flat (row * V + token)."""
+
+    temperature: torch.Tensor  # 1 for greedy rows, which take the argmax before it
+    min_p: torch.Tensor
+    top_p: torch.Tensor  # inf: off
+    repetition: torch.Tensor
+    presence: torch.Tensor
+    frequency: torch.Tensor
+    top_k: torch.Tensor  # 0: off
+    greedy: torch.Tensor
+    forced: torch.Tensor  # the forced token, -1: none
+    constrained: torch.Tensor  # has a grammar
+    banned: torch.Tensor  # min_tokens not reached: stop tokens and EOS
+    seen: torch.Tensor  # prompt and output tokens (repetition penalty), each once
+    generated: torch.Tensor  # output tokens (presence and frequency penalties), each once ...
+    counts: torch.Tensor  # ... with how often it was generated
+    seeded: list[int]  # sampled rows with their own generator
+    unseeded: bool  # some sampled row draws from the shared generator
+    any_constrained: bool
+    any_min_p: bool
+    max_top_k: int  # 0: no row uses top_k
+    any_top_p: bool
+
+    @classmethod
+    def of(cls, seqs: list[Sequence], vocab: int, device: torch.device) -> BatchSettings:
+        ps = [s.params for s in seqs]
+        sampled = [s.forced_token is None and not p.greedy for s, p in zip(seqs, ps)]
+        floats = [[1.0 if p.greedy else p.temperature for p in ps], [p.min_p for p in ps],
+                  [p.top_p if p.top_p < 1.0 else float("inf") for p in ps], [p.repetition_penalty for p in ps],
+                  [p.presence_penalty for p in ps], [p.frequency_penalty for p in ps]]
+        top_k = [p.top_k if 0 < p.top_k < vocab else 0 for p in ps]
+        forced = [-1 if s.forced_token is None else s.forced_token for s in seqs]
+        ints = [top_k, [p.greedy for p in ps], forced, [s.grammar is not None for s in seqs],
+                *_penalised_tokens(seqs, vocab)]
+        uploaded = _upload([v for column in ints for v in column], torch.int64, device)
+        top_k_t, greedy, forced_t, constrained, *penalised = uploaded.split([len(c) for c in ints])
+        return cls(*_upload(floats, torch.float32, device), top_k_t, greedy.bool(), forced_t, constrained.bool(),
+                   *penalised, seeded=[i for i, s in enumerate(seqs) if sampled[i] and s.generator is not None],
+                   unseeded=any(sampled[i] and s.generator is None for i, s in enumerate(seqs)),
+                   any_constrained=any(s.grammar is not None for s in seqs), any_min_p=any(p.min_p > 0.0 for p in ps), max_top_k=max(top_k),
+                   any_top_p=any(p.top_p < 1.0 for p in ps))
+
+    @property
+    def penalised(self) -> bool:
+        return bool(self.banned.numel() or self.seen.numel() or self.generated.numel())
+
+
+def _penalised_tokens(seqs: list[Sequence], vocab: int) -> list[list[int]]:
+    """Flat indices the penalties touch: banned, seen, generated, and each generated one's count."""
+    banned, seen, generated, counts = [], [], [], []
+    for row, seq in enumerate(seqs):
+        p, base = seq.params, row * vocab
+        if seq.num_output_tokens < p.min_tokens:
+            eos = [] if p.ignore_eos else list(seq.eos_token_ids)
+            banned += [base + t for t in p.stop_token_ids + eos]
+        if p.repetition_penalty != 1.0:
+            seen += [base + t for t in set(seq.token_ids)]
+        if p.presence_penalty or p.frequency_penalty:
+            for t, n in Counter(seq.output_token_ids).items():
+                generated.append(base + t)
+                counts.append(n)
+    return [banned, seen, generated, counts]
+
+
+def penalise(logits: torch.Tensor, s: BatchSettings) -> torch.Tensor:
+    """min_tokens bans, then repetition (x/r where x > 0, else x*r), then presence and frequency."""
+    if not s.penalised:
+        return logits
+    x = logits.clone()
+    flat, vocab = x.view(-1), x.shape[-1]
+    flat.index_fill_(0, s.banned, NEG_INF)
+    if s.seen.numel():
+        r, seen = s.repetition[s.seen // vocab], flat[s.seen]
+        flat[s.seen] = torch.where(seen > 0, seen / r, seen * r)
+    if s.generated.numel():
+        row = s.generated // vocab
+        flat[s.generated] -= s.frequency[row] * s.counts.float() + s.presence[row]
+    if not s.any_constrained:
+        return x
+    # min_tokens may ban the only tokens a grammar allows (its end): such a row goes unpenalised
+    dead = s.constrained & torch.isneginf(x).all(-1)
+    return torch.where(dead[:, None], logits, x)
+
+
+def filtered(x: torch.Tensor, s: BatchSettings) -> torch.Tensor:
+    """vLLM V1's order: temperature, min_p over the whole vocabulary, top_k, then top_p over what
+    is left (so with min_p, top_p's mass is counted among the tokens min_p kept)."""
+    x = x / s.temperature[:, None]
+    if s.any_min_p:
+        probs = x.softmax(-1)
+        x = x.masked_fill(probs < s.min_p[:, None] * probs.amax(-1, keepdim=True), NEG_INF)
+    if s.max_top_k:
+        kth = x.topk(s.max_top_k, dim=-1).values.gather(1, (s.top_k.clamp(min=1) - 1)[:, None])
+        kth = kth.masked_fill(s.top_k[:, None] == 0, NEG_INF)  # nothing is below -inf
+        x = x.masked_fill(x < kth, NEG_INF)
+    if s.any_top_p:  # sorted after top_k, when most of a row is -inf: much faster on the CPU
+        ordered, order = x.sort(-1, descending=True)
+        probs = ordered.softmax(-1)
+        drop = (probs.cumsum(-1) - probs) > s.top_p[:, None]  # keep the smallest head reaching top_p
+        x = x.masked_fill(torch.zeros_like(drop).scatter_(1, order, drop), NEG_INF)
+    return x
+
+
 class Sampler:
     def __init__(self, seed: int = 0):
-        self.shared_generator = torch.Generator().manual_seed(seed)
+        self.seed = seed
+        self.shared_generator: torch.Generator | None = None  # made on the device of the first logits
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[tuple[int, TokenLogprob | None]]:
+        if not seqs:
+            return []
+        logits = logits.float().contiguous()
         constrained = [i for i, s in enumerate(seqs) if s.grammar is not None]
         if constrained:
-            logits = logits.float().contiguous()
             apply_grammar_masks(logits, constrained, [seqs[i].grammar for i in constrained])
-        raw = None
-        if any(s.params.logprobs is not None for s in seqs):
-            raw = torch.log_softmax(logits.float(), dim=-1)
-        results = []
-        for i, seq in enumerate(seqs):
-            token = seq.forced_token
-            if token is None:
-                token = self._sample_row(logits[i], seq)
-            lp = None
-            if raw is not None and seq.params.logprobs is not None:
-                lp = token_logprob(raw[i], token, seq.params.logprobs)
-            results.append((token, lp))
-        return results
+        settings = BatchSettings.of(seqs, logits.shape[-1], logits.device)
+        x = penalise(logits, settings)
+        tokens = x.argmax(-1)
+        if settings.seeded or settings.unseeded:
+            tokens = torch.where(settings.greedy, tokens, self._race(filtered(x, settings), seqs, settings))
+        tokens = torch.where(settings.forced >= 0, settings.forced, tokens)
+        return _to_host(tokens, logits, [s.params.logprobs for s in seqs])
 
-    def _sample_row(self, x: torch.Tensor, seq: Sequence) -> int:
-        p = seq.params
-        if p.needs_penalties or seq.num_output_tokens < p.min_tokens:
-            unpenalised, x = x, x.clone()
-            self._penalise(x, seq)
-            if seq.grammar is not None and bool(torch.isneginf(x).all()):
-                x = unpenalised  # min_tokens banned the only tokens the grammar allows (its end)
-        if p.greedy:
-            return int(x.argmax())
-        # vLLM V1's order: temperature, min_p over the whole vocabulary, top_k, then top_p over
-        # what is left (so with min_p, top_p's mass is counted among the tokens min_p kept)
-        x = x / p.temperature
-        if p.min_p > 0.0:
-            probs = torch.softmax(x, dim=-1)
-            x = x.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
-        if p.top_k > 0 and p.top_k < x.shape[-1]:
-            kth = x.topk(p.top_k).values[-1]
-            x = x.masked_fill(x < kth, float("-inf"))
-        if p.top_p < 1.0:
-            x = _top_p(x, p.top_p)
-        probs = torch.softmax(x, dim=-1)
-        gen = seq.generator or self.shared_generator
-        # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p, one generator call per row.
-        race = torch.empty_like(probs).exponential_(1.0, generator=gen)
-        return int((probs / race).argmax())
+    def _race(self, x: torch.Tensor, seqs: list[Sequence], s: BatchSettings) -> torch.Tensor:
+        """Exponential race: argmax(p / E) with E ~ Exp(1) draws from p."""
+        probs = x.softmax(-1)
+        race = torch.empty_like(probs)
+        if s.unseeded:
+            race.exponential_(1.0, generator=self._shared(probs.device))
+        for i in s.seeded:  # the same draw as a batch of one makes: a seeded row ignores its neighbours
+            race[i] = torch.empty_like(probs[i]).exponential_(1.0, generator=seqs[i].generator)
+        return (probs / race).argmax(-1)
+
+    def _shared(self, device: torch.device) -> torch.Generator:
+        if self.shared_generator is None or self.shared_generator.device != device:
+            self.shared_generator = torch.Generator(device).manual_seed(self.seed)
+        return self.shared_generator
 
     def _penalise(self, x: torch.Tensor, seq: Sequence) -> None:
-        p = seq.params
-        if seq.num_output_tokens < p.min_tokens:
-            banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(seq.eos_token_ids))
-            if banned:
-                x[torch.tensor(banned)] = float("-inf")
-        if p.repetition_penalty != 1.0:
-            seen = torch.tensor(sorted(set(seq.token_ids)))
-            vals = x[seen]
-            x[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
-        if (p.presence_penalty or p.frequency_penalty) and seq.num_output_tokens:
-            counts = torch.bincount(torch.tensor(seq.output_token_ids), minlength=x.shape[-1])[: x.shape[-1]]
-            x -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+        """One row's penalties, in place."""
+        x.copy_(penalise(x[None], BatchSettings.of([seq], x.shape[-1], x.device))[0])
 
 
-def _top_p(x: torch.Tensor, top_p: float) -> torch.Tensor:
-    sorted_x, order = x.sort(descending=True)
-    probs = torch.softmax(sorted_x, dim=-1)
-    drop_sorted = (probs.cumsum(-1) - probs) > top_p  # keep the smallest set reaching top_p
-    drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
-    return x.masked_fill(drop, float("-inf"))
+def _to_host(tokens: torch.Tensor, logits: torch.Tensor, ks: list[int | None]) -> list[tuple[int, TokenLogprob | None]]:
+    """The tokens and the logprobs rows asked for, in one device-to-host copy."""
+    if all(k is None for k in ks):
+        return [(t, None) for t in tokens.tolist()]
+    raw = torch.log_softmax(logits, dim=-1)
+    most = max(k or 0 for k in ks)
+    top = raw.topk(most, dim=-1)
+    packed = torch.cat([tokens[:, None].double(), raw.gather(1, tokens[:, None]).double(),
+                        top.indices.double(), top.values.double()], dim=1)
+    results: list[tuple[int, TokenLogprob | None]] = []
+    for row, k in zip(packed.tolist(), ks):
+        token = int(row[0])
+        ids, values = row[2 : 2 + most], row[2 + most :]
+        lp = None if k is None else TokenLogprob(token, row[1], [(int(i), v) for i, v in zip(ids[:k], values[:k])])
+        results.append((token, lp))
+    return results

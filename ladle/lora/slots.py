@@ -65,8 +65,10 @@ class LoRABatch:
 
 
 class LoRASlots:
-    def __init__(self, cfg: ModelConfig, num_slots: int, max_rank: int, dtype: torch.dtype = torch.float32):
+    def __init__(self, cfg: ModelConfig, num_slots: int, max_rank: int, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu"):
         self.num_slots, self.max_rank, self.dtype = num_slots, max_rank, dtype
+        self.device = torch.device(device)
         shapes = projection_shapes(cfg)
         self.stacks = [{group: self._empty(parts, shapes) for group, parts in GROUPS.items()}
                        for _ in range(cfg.num_hidden_layers)]
@@ -79,8 +81,8 @@ class LoRASlots:
         d_in = shapes[parts[0]][0]
         cols = [0, *itertools.accumulate(shapes[p][1] for p in parts)]
         rows = len(parts) * self.max_rank
-        return Stack(torch.zeros(self.num_slots, rows, d_in, dtype=self.dtype),
-                     torch.zeros(self.num_slots, rows, cols[-1], dtype=self.dtype),
+        return Stack(torch.zeros(self.num_slots, rows, d_in, dtype=self.dtype, device=self.device),
+                     torch.zeros(self.num_slots, rows, cols[-1], dtype=self.dtype, device=self.device),
                      torch.zeros(self.num_slots, len(parts), dtype=torch.int32), torch.tensor(cols, dtype=torch.int64))
 
     def assign(self, refs: list[AdapterRef], weights_of: Callable[[AdapterRef], AdapterWeights]) -> dict[int, int]:
@@ -128,9 +130,10 @@ class LoRASlots:
         if not active:
             return None
         choice = lora_kernel()
-        native = choice != "loop" and self.dtype == torch.float32 and kernels.native_kernels() is not None
+        native = (choice != "loop" and self.dtype == torch.float32 and self.device.type == "cpu"
+                  and kernels.native_kernels() is not None)
         if choice == "native" and not native:
             raise RuntimeError("LADLE_LORA_KERNEL=native, but the native kernels cannot run this model's LoRA "
                                f"(dtype {self.dtype}, kernels {'on' if kernels.native_kernels() else 'off'})")
-        rows = {} if native else {s: torch.nonzero(slots == s).flatten() for s in active}
+        rows = {} if native else {s: torch.nonzero(slots == s).flatten().to(self.device) for s in active}
         return LoRABatch(slots, self.stacks, rows, native)

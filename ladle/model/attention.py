@@ -1,7 +1,8 @@
 """Paged attention: K/V live in fixed-size blocks, read through each sequence's block table.
 
-The model calls an `AttentionBackend`; this file holds the portable torch one. A CUDA
-kernel (FlashInfer, flash-attn) can replace it by implementing the same two methods.
+The model calls an `AttentionBackend`; this file holds the portable torch one (the CPU's,
+with its native kernels). The CUDA path's Triton kernels implement the same three methods
+(ladle.model.triton.backend); the platform picks one at start-up.
 """
 
 from __future__ import annotations
@@ -65,7 +66,6 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] flat cache slot of each new token
     num_decodes: int = 0
     decode_block_tables: torch.Tensor | None = None  # [B, max_blocks]
-    decode_mask: torch.Tensor | None = None  # [B, 1, 1, max_blocks * block_size], True = attend
     decode_context_lens: torch.Tensor | None = None  # [B] int64: tokens each decode attends to
     decode_rows: CanonicalRows | None = None  # the decodes as one-row spans, for the native prompt kernel
     prefills: list[PrefillSpan] = field(default_factory=list)
@@ -74,9 +74,14 @@ class AttentionMetadata:
     # are written: sequences starting on blocks that other sequences compute in this step
     in_step_copies: list[tuple[int, int, int]] = field(default_factory=list)
     batch_invariant: bool = False  # linear layers must give each row the same bits whatever the batch
+    backend_data: object = None  # what the backend's prepare() derived from the above, for its kernels
 
 
 class AttentionBackend(Protocol):
+    # Once per forward, before any layer: derive what the kernels read (on the device) from the
+    # metadata, into meta.backend_data; nothing to do where it is already set (a captured graph's).
+    def prepare(self, meta: AttentionMetadata) -> None: ...
+
     # Writes this step's K/V, then performs meta.in_step_copies, before any attend().
     def write_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None: ...
 
@@ -160,6 +165,13 @@ class TorchPagedAttention:
             return kernels.native_kernels()
         return None
 
+    def prepare(self, meta: AttentionMetadata) -> None:
+        """The decodes' key mask [B, 1, 1, max_blocks * block_size] (True: attend), for the torch path."""
+        if meta.backend_data is None and meta.decode_block_tables is not None:
+            device = self.cache.k.device
+            keys = torch.arange(meta.decode_block_tables.shape[1] * self.cache.block_size, device=device)
+            meta.backend_data = (keys[None, :] < meta.decode_context_lens.to(device)[:, None])[:, None, None, :]
+
     def write_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
         if self.cache.quantized:
             self._write_quantized(layer, k, v, meta.slot_mapping)
@@ -226,7 +238,7 @@ class TorchPagedAttention:
         """One layer's K or V (`which`), blocks -> one contiguous run per sequence:
         [..., tokens, KVH, D] in dtype (an 8-bit cache dequantised)."""
         # index_select copies whole blocks; several times faster than advanced indexing.
-        flat = block_table.flatten()
+        flat = block_table.flatten().to(self.cache.k.device)
         blocks = getattr(self.cache, which)[layer].index_select(0, flat)
         if self.cache.quantized:
             blocks = kv_quant.dequantize(blocks, getattr(self.cache, f"{which}_scale")[layer].index_select(0, flat))
@@ -253,7 +265,7 @@ class TorchPagedAttention:
         qg = q.view(b, self.num_kv_heads, group, self.head_dim)
         k = self._gather(layer, "k", meta.decode_block_tables, q.dtype).transpose(1, 2)
         v = self._gather(layer, "v", meta.decode_block_tables, q.dtype).transpose(1, 2)
-        o = F.scaled_dot_product_attention(qg, k, v, attn_mask=meta.decode_mask)
+        o = F.scaled_dot_product_attention(qg, k, v, attn_mask=meta.backend_data)
         return o.reshape(b, self.num_heads * self.head_dim)
 
     def _prefill(self, layer: int, span: PrefillSpan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -266,7 +278,7 @@ class TorchPagedAttention:
         else:  # an 8-bit cache is read even for fresh tokens, so every path sees the same K/V
             ks = self._gather(layer, "k", span.block_table, q.dtype)[: span.context_len]
             vs = self._gather(layer, "v", span.block_table, q.dtype)[: span.context_len]
-            mask = torch.ones(n, span.context_len, dtype=torch.bool).tril(span.context_len - n)
+            mask = torch.ones(n, span.context_len, dtype=torch.bool, device=q.device).tril(span.context_len - n)
             causal = False
         ks = ks.transpose(0, 1).unsqueeze(0)
         vs = vs.transpose(0, 1).unsqueeze(0)
@@ -292,7 +304,7 @@ class TorchPagedAttention:
             # cache) is padded with zero queries back to the block start: SDPA's rows
             # depend on the tile's row count, not on the other rows' values.
             rows = F.pad(rows, (0, 0, 0, 0, pos - tile_start, 0)).transpose(0, 1)
-            causal = torch.ones(tile_end - tile_start, tile_end, dtype=torch.bool).tril(tile_start)
+            causal = torch.ones(tile_end - tile_start, tile_end, dtype=torch.bool, device=q.device).tril(tile_start)
             o = F.scaled_dot_product_attention(rows.unsqueeze(0), keys[:, :tile_end].unsqueeze(0),
                                                values[:, :tile_end].unsqueeze(0), attn_mask=causal, enable_gqa=True)
             o = o[0, :, pos - tile_start :].transpose(0, 1)

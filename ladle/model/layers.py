@@ -49,7 +49,10 @@ class Linear:
         return F.linear(x, self.weight, self.bias)
 
     def pack(self) -> None:
-        """Pack W for the canonical kernel now rather than on the first call that needs it."""
+        """Pack W for the canonical kernel now rather than on the first call that needs it (a CPU's
+        weights only: the native kernels are the CPU's)."""
+        if not self.weight.is_cpu:
+            return
         native = kernels.native_kernels()
         if native is not None and self._panels is None:
             self._panels = native.pack_panels(self.weight)
@@ -167,12 +170,13 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
 class RotaryEmbedding:
     """Neox-style rotary embedding (rotate-half), as Hugging Face's Llama and Qwen2 apply it."""
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None):
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None,
+                 device: torch.device | str = "cpu"):
         inv_freq = rope_inv_freq(head_dim, theta, scaling)
         t = torch.arange(max_positions, dtype=torch.float32)
-        freqs = torch.outer(t, inv_freq)
-        self.cos = freqs.cos()
-        self.sin = freqs.sin()
+        freqs = torch.outer(t, inv_freq)  # on the CPU, as transformers computes it, then moved
+        self.cos = freqs.cos().to(device)
+        self.sin = freqs.sin().to(device)
 
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed sin for `positions`, [T, 1, D] each: looked up once per step for all layers."""

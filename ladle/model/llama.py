@@ -23,8 +23,9 @@ from ladle.model.attention import AttentionBackend, AttentionMetadata
 from ladle.model.collectives import Single
 from ladle.model.config import ModelConfig
 from ladle.model.kernels.routing import MatmulRouting, choose_routing, forced_routing
-from ladle.model.layers import Linear, RotaryEmbedding, add_rms_norm, apply_rotary, rms_norm, silu_and_mul
+from ladle.model.layers import Linear, RotaryEmbedding
 from ladle.model.moe import MoEBlock, load_moe_block
+from ladle.model.ops import TORCH_OPS, LayerOps
 from ladle.model.quantization import GroupedWeight, cat_weights, choose_prefill_route, make_linear
 from ladle.model.sharding import Shard, head_rows, padded_spans
 
@@ -98,11 +99,12 @@ class KeptStates:
 class LlamaForCausalLM:
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor | GroupedWeight],
                  attention: AttentionBackend, quantization: str = "auto", shard: Shard = Shard(),
-                 comm: object = Single()):
+                 comm: object = Single(), ops: LayerOps = TORCH_OPS):
         """quantization (ladle.model.quantization): "auto" keeps grouped int8 weights (a GGUF's blocks)
         as they are and float ones float, "none" dequantises all, "int8" quantises the float ones too,
         the LM head included; the embedding lookup keeps the compute dtype. shard: the part of the model
-        this rank computes (ladle.model.sharding); comm: the collectives joining it to the others."""
+        this rank computes (ladle.model.sharding); comm: the collectives joining it to the others; ops:
+        the norms, rotary and activation between the matmuls (ladle.model.ops: the platform's)."""
         if quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, not {quantization!r}")
         shard.check(cfg)
@@ -110,6 +112,7 @@ class LlamaForCausalLM:
         self.cfg = cfg
         self.shard, self.comm = shard, comm
         self.attention = attention
+        self.ops = ops
         self.quantization = quantization
         self.embed = w.pop("model.embed_tokens.weight")
         dtype = self.embed.dtype
@@ -124,13 +127,16 @@ class LlamaForCausalLM:
             lm_head = self.embed
         self.vocab_counts = [s.stop - s.start for s in padded_spans(cfg.vocab_size, shard.world)]
         self.lm_head = linear(shard.rows(lm_head, shard.padded_span(cfg.vocab_size)), None)
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling,
+                                      device=self.embed.device)
         self.q_size = cfg.num_attention_heads * cfg.head_dim
         self.kv_size = cfg.num_key_value_heads * cfg.head_dim
         for lin in self.linears:  # now, not on the first canonical (scoring) request
             lin.pack()
         layer_linears = [lin for layer in self.layers for lin in layer.linears if not lin.quantized]
-        if not layer_linears:
+        if not self.embed.is_cpu:  # the native kernels are the CPU's; elsewhere torch's matmuls (cuBLAS)
+            self.routing = MatmulRouting("torch", "torch", f"torch on {self.embed.device.type}")
+        elif not layer_linears:
             self.routing = forced_routing() or (choose_prefill_route(self.layers[0].linears) if self.layers
                                                 else MatmulRouting("canonical", "canonical"))
         else:  # int8 layers always take their kernel; the float ones take what measures fastest
@@ -157,19 +163,22 @@ class LlamaForCausalLM:
         final norm (an early exit: self-speculative drafting). lora: each row's adapter term is
         added to the projections' outputs (ladle.lora)."""
         inv = meta.batch_invariant
+        ops = self.ops
+        self.attention.prepare(meta)
         h = F.embedding(input_ids, self.embed)
         rope = tuple(t.to(h.dtype) for t in self.rotary.tables(positions))  # as transformers rounds them
         layers = self.layers if num_layers is None else self.layers[:num_layers]
         last = len(layers)
         if keep is not None:
+            keep.rows = keep.rows.to(h.device)
             keep.keep(0, h)
         eps = self.cfg.rms_norm_eps
         # h, the residual stream, is updated in place; x is the normed input of what comes next
-        x = rms_norm(h, layers[0].input_norm if layers else self.norm, eps)
+        x = ops.rms_norm(h, layers[0].input_norm if layers else self.norm, eps)
         for i, layer in enumerate(layers):
-            x = add_rms_norm(h, self._attention(i, layer, x, rope, meta, lora), layer.post_attn_norm, eps)
+            x = ops.add_rms_norm(h, self._attention(i, layer, x, rope, meta, lora), layer.post_attn_norm, eps)
             following = layers[i + 1].input_norm if i + 1 < last else self.norm
-            x = add_rms_norm(h, self._mlp(i, layer, x, inv, lora), following, eps)
+            x = ops.add_rms_norm(h, self._mlp(i, layer, x, inv, lora), following, eps)
             if keep is not None and i + 1 < last:
                 keep.keep(i + 1, h)
         out = x
@@ -184,7 +193,7 @@ class LlamaForCausalLM:
         gate_up = layer.gate_up(x, inv)
         if lora is not None:
             lora.add(i, "gate_up", x, gate_up)
-        act = silu_and_mul(gate_up)
+        act = self.ops.silu_and_mul(gate_up)
         down = layer.down(act, inv)
         if lora is not None:
             lora.add(i, "down", act, down)
@@ -192,7 +201,7 @@ class LlamaForCausalLM:
 
     def _attention(self, i: int, layer: DecoderLayerWeights, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                    meta: AttentionMetadata, lora: LoRABatch | None = None) -> torch.Tensor:
-        cfg = self.cfg
+        cfg, ops = self.cfg, self.ops
         t = x.shape[0]
         heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         qkv = layer.qkv(x, meta.batch_invariant)
@@ -200,13 +209,13 @@ class LlamaForCausalLM:
             lora.add(i, "qkv", x, qkv)
         v = qkv[:, self.q_size + self.kv_size :].view(t, kv_heads, cfg.head_dim)
         if layer.q_norm is None:  # q and k side by side: rotate them in one go
-            qk = apply_rotary(qkv[:, : self.q_size + self.kv_size].view(t, heads + kv_heads, cfg.head_dim), *rope)
+            qk = ops.rotary(qkv[:, : self.q_size + self.kv_size].view(t, heads + kv_heads, cfg.head_dim), *rope)
             q, k = qk.split([heads, kv_heads], dim=1)
         else:
-            q = rms_norm(qkv[:, : self.q_size].view(t, heads, cfg.head_dim), layer.q_norm, cfg.rms_norm_eps)
-            k = rms_norm(qkv[:, self.q_size : self.q_size + self.kv_size].view(t, kv_heads, cfg.head_dim),
-                         layer.k_norm, cfg.rms_norm_eps)
-            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+            q = ops.rms_norm(qkv[:, : self.q_size].view(t, heads, cfg.head_dim), layer.q_norm, cfg.rms_norm_eps)
+            k = ops.rms_norm(qkv[:, self.q_size : self.q_size + self.kv_size].view(t, kv_heads, cfg.head_dim),
+                             layer.k_norm, cfg.rms_norm_eps)
+            q, k = ops.rotary(q, *rope), ops.rotary(k, *rope)
         self.attention.write_kv(i, k, v, meta)
         o = self.attention.attend(i, q, k, v, meta)
         out = layer.o_proj(o, meta.batch_invariant)

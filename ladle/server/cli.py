@@ -112,7 +112,13 @@ def auto_tool_call_parser(args: argparse.Namespace) -> str | None:
 
 def run(args: argparse.Namespace) -> int:
     if args.data_parallel_size != 1:
+        from ladle.platform import cuda_probe
         from ladle.server.data_parallel import run_fleet
+
+        if args.device != "cpu" and cuda_probe()[0]:
+            print("ladle serve: --data-parallel-size above 1 shares out the CPU's cores between replicas; it does "
+                  "not run on CUDA yet (pass --device cpu for replicas on the CPU)", file=sys.stderr)
+            return 2
 
         return run_fleet(args, getattr(args, "argv", None) or sys.argv[2:])
     import uvicorn
@@ -138,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
     host = f"[{args.host}]" if ":" in args.host else args.host
     info, cache = engine.runtime_info, engine.cache_config_info
     print(f"ladle: serving {name} (max_model_len {engine.max_model_len}) at http://{host}:{args.port}/v1\n"
-          f"ladle: dtype {info['dtype']} ({info['dtype_reason']}); weights {info['weights']}; "
+          f"ladle: device {info['device']}; dtype {info['dtype']} ({info['dtype_reason']}); weights {info['weights']}; "
           f"KV cache {info['kv_cache_dtype']} ({cache['num_gpu_blocks']} blocks of {cache['block_size']} tokens); "
           f"kernels {info['kernels']}; matmuls: {info['matmul']}",
           file=sys.stderr, flush=True)

@@ -547,6 +547,7 @@ class VersionInfo(_Response):
     """GET /version: ladle's version and how this engine computes on this machine."""
 
     version: str
+    device: str
     dtype: str
     dtype_reason: str
     quantization: str | None

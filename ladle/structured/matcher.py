@@ -37,21 +37,23 @@ class GrammarState:
         self._matcher.fill_next_token_bitmask(bitmask, row)
 
 
-_BITS = torch.arange(32, dtype=torch.int32)
-
-
 def apply_grammar_masks(logits: torch.Tensor, rows: list[int], states: list[GrammarState]) -> None:
-    """Set to -inf, in place, every logit a row's grammar forbids next ([B, V] float32 logits).
+    """Set to -inf, in place, every logit a row's grammar forbids next ([B, V] float32 logits, any device).
 
-    xgrammar fills one bit per token (bit j of word w: token 32w + j). The bits are unpacked with
-    torch rather than by xgrammar's CPU kernel: 1.3 ms against 4.5 ms for 16 rows of a 49k
-    vocabulary where the grammar allows few tokens (the common case inside JSON)."""
-    vocab = logits.shape[-1]
-    bitmask = torch.full((len(rows), (vocab + 31) // 32), -1, dtype=torch.int32)
+    xgrammar fills one bit per token (bit j of word w: token 32w + j) in a CPU bitmask; it goes to the
+    logits' device in one copy that does not wait for the device (pinned), and is unpacked there with
+    torch rather than by xgrammar's CPU kernel: 1.3 ms against 4.5 ms for 16 rows of a 49k vocabulary
+    where the grammar allows few tokens (the common case inside JSON)."""
+    vocab, device = logits.shape[-1], logits.device
+    pinned = device.type == "cuda"
+    bitmask = torch.full((len(rows), (vocab + 31) // 32), -1, dtype=torch.int32, pin_memory=pinned)
     for i, state in enumerate(states):
         state.fill_mask(bitmask, i)
-    allowed = ((bitmask.unsqueeze(-1) >> _BITS) & 1).view(len(rows), -1)[:, :vocab].bool()
+    words = bitmask.to(device, non_blocking=True)
+    bits = torch.arange(32, dtype=torch.int32, device=device)
+    allowed = ((words.unsqueeze(-1) >> bits) & 1).view(len(rows), -1)[:, :vocab].bool()
     if len(rows) == logits.shape[0]:
         logits.masked_fill_(~allowed, float("-inf"))
     else:
-        logits[rows] = logits[rows].masked_fill_(~allowed, float("-inf"))
+        index = torch.tensor(rows, pin_memory=pinned).to(device, non_blocking=True)
+        logits[index] = logits[index].masked_fill_(~allowed, float("-inf"))

@@ -1,0 +1,47 @@
+"""The CPU: native kernels chosen by instruction set, torch's paged attention, a pool of fixed size."""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+import torch
+
+from ladle.config import CPU_KV_CACHE_GIB
+from ladle.platform.base import Platform
+
+if TYPE_CHECKING:
+    from ladle.config import EngineConfig
+    from ladle.model.dtype import DtypeChoice
+
+
+class CpuPlatform(Platform):
+    name = "cpu"
+    device = torch.device("cpu")
+    default_kv_cache_gib = CPU_KV_CACHE_GIB
+
+    def __init__(self, attention_backend: str = "auto"):
+        self.attention = "torch" if attention_backend == "auto" else attention_backend
+        if self.attention == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("--attention-backend triton needs a CUDA GPU (on the CPU its kernels run only under "
+                             "Triton's interpreter, TRITON_INTERPRET=1: for tests)")
+
+    def check(self, config: EngineConfig) -> None:
+        pass
+
+    def choose_dtype(self, requested: str, quantized: bool) -> DtypeChoice:
+        from ladle.model.dtype import choose_dtype
+
+        return choose_dtype(requested, quantized=quantized)
+
+    @property
+    def kernels(self) -> str:
+        if self.attention == "triton":
+            return "triton (interpreted on the CPU)"
+        from ladle.model import kernels
+
+        native = kernels.native_kernels()
+        return native.isa if native is not None else "torch"
+
+    def describe(self) -> str:
+        return f"cpu ({os.cpu_count()} cores)"
