@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test test-avx2 bench clean
+.PHONY: serve test test-fast test-avx2 bench clean
 
 $(STAMP): pyproject.toml requirements.lock
 	$(PYTHON) -m venv $(VENV)
@@ -23,10 +23,15 @@ serve: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
-# The whole suite again on the AVX2 paths, as an AVX2-only CPU (AMD EPYC Zen 3) runs it:
-# ladle's kernels, torch's own and MKL's all held to AVX2.
+# The edit loop: everything but the tests that start worker processes (marked slow).
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow"
+
+# The tests whose results depend on the instruction set (marked isa) again on the AVX2 paths,
+# as an AVX2-only CPU (AMD EPYC Zen 3) runs them: ladle's kernels, torch's own and MKL's all held
+# to AVX2. The server, router, browser and bench tests compute nothing that differs there.
 test-avx2: $(STAMP)
-	LADLE_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 $(BIN)/python -m pytest -q
+	LADLE_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 $(BIN)/python -m pytest -q -m isa
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/throughput.py

@@ -14,6 +14,8 @@ import pytest
 from ladle.server.data_parallel import replica_argv
 from tests.server_utils import free_port
 
+pytestmark = pytest.mark.slow  # starts worker processes: make test-fast leaves it out
+
 
 def test_each_replica_gets_the_serve_flags_but_not_the_fleets() -> None:
     argv = ["--data-parallel-size", "2", "--port=9000", "--num-kv-blocks", "64", "--router-policy", "kv_events",

@@ -15,6 +15,8 @@ import pytest
 from ladle.config import EngineConfig
 from tests.server_utils import Server, own_server
 
+pytestmark = pytest.mark.slow  # starts worker processes: make test-fast leaves it out
+
 CHAT = [{"role": "user", "content": "Describe the water cycle to a ten year old, step by step, in detail."}]
 OTHER = [{"role": "user", "content": "List five facts about owls that most people do not know, briefly."}]
 

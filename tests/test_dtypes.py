@@ -16,6 +16,8 @@ from ladle.config import EngineConfig
 from ladle.model import dtype as dtypes
 from ladle.model.kernels import native_kernels
 
+pytestmark = pytest.mark.isa  # results depend on the instruction set: make test-avx2 runs these again
+
 PROMPTS = ["The three primary colours are", "def fibonacci(n):", "Once upon a time, in a small village,",
            "The capital of Germany is", "List five fruits:", "Water boils at", "import numpy as np\n",
            "My favourite book is"]

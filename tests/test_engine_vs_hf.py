@@ -17,6 +17,8 @@ from ladle import LLM, SamplingParams
 from ladle.model.config import ModelConfig
 from tiny_models import build_tiny_model
 
+pytestmark = pytest.mark.isa  # results depend on the instruction set: make test-avx2 runs these again
+
 PROMPTS = [
     "Hi",
     "The capital of France is",

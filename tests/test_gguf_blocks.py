@@ -22,6 +22,8 @@ from ladle.model.gguf import convert_gguf
 from ladle.model.loader import load_weights
 from ladle.model.quantization import GroupedWeight, Int8Linear, cat_weights
 
+pytestmark = pytest.mark.isa  # results depend on the instruction set: make test-avx2 runs these again
+
 TYPES = [Q.Q8_0, Q.Q4_0, Q.Q4_1]
 # the embedded model: Q4_1 layers, and a tied Q8_0 embedding serving the LM head
 EMBEDDED_WEIGHTS = "4-bit in groups of 32 (GGUF blocks) + int8 in groups of 32 (GGUF blocks)"

@@ -27,6 +27,7 @@ def server() -> Iterator[Server]:
         yield s
 
 
+@pytest.mark.slow  # fits a head end to end over a labelled set
 def test_fitted_head_served_beats_the_zero_shot_decision(server: Server, tmp_path: Path) -> None:
     head, reports = tmp_path / "team.safetensors", tmp_path / "report"
     code = main(["heads", "fit", *labelled_set_args(server), "--out", str(head), "--report-dir", str(reports), "--concurrency", "8"])

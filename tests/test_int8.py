@@ -16,6 +16,8 @@ from ladle.model.kernels import loader
 from ladle.model.kernels.native import DOT_BLOCK
 from ladle.model.quantization import WIDEN_ROWS, Int8Linear, dequantize_int8, quantize_int8
 
+pytestmark = pytest.mark.isa  # results depend on the instruction set: make test-avx2 runs these again
+
 TEXT = ("The river rose through the night, and by morning the low fields were under water. Farmers moved "
         "their animals to the hills, and the school opened its doors to families who had nowhere else to go. "
         "By noon the rain had stopped, but the water kept rising for two more days, fed by the snow melting in "

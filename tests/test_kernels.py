@@ -15,6 +15,8 @@ from ladle.model import kernels
 from ladle.model.kernels import loader
 from ladle.model.layers import BATCH_INVARIANT_ROWS, Linear, rms_norm
 
+pytestmark = pytest.mark.isa  # results depend on the instruction set: make test-avx2 runs these again
+
 
 @pytest.fixture(scope="module")
 def native() -> kernels.NativeKernels:

@@ -19,6 +19,8 @@ from ladle.config import KV_8BIT_NAMES, EngineConfig
 from ladle.model import kv_quant
 from ladle.model.attention import KVCache
 
+pytestmark = pytest.mark.isa  # results depend on the instruction set: make test-avx2 runs these again
+
 FORMATS = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
 QMAX = {torch.int8: 127, torch.float8_e4m3fn: 448}
 

@@ -15,6 +15,8 @@ import torch
 from ladle.model.kernels import loader
 from ladle.model.kernels.native import NativeKernels
 
+pytestmark = pytest.mark.isa  # results depend on the instruction set: make test-avx2 runs these again
+
 
 @pytest.fixture(params=loader.supported_isas())
 def lora_kernels(request, monkeypatch: pytest.MonkeyPatch) -> Iterator[NativeKernels]:

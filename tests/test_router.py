@@ -25,6 +25,8 @@ from ladle.router.app import build_app
 from ladle.router.config import RouterConfig
 from tests.server_utils import MODEL, ServerThread, free_port
 
+pytestmark = pytest.mark.slow  # starts worker processes: make test-fast leaves it out
+
 GREEDY = dict(temperature=0.0)
 TEAM = {"id": "team", "type": "choice", "question": "Which team should handle this ticket?",
         "options": [{"name": "billing"}, {"name": "technical"}, {"name": "sales"}]}

@@ -19,6 +19,8 @@ from ladle.decisions.pipeline import prepare
 from ladle.decisions.question import Option, Question
 from ladle.decisions.render import template_kwargs
 
+pytestmark = pytest.mark.isa  # results depend on the instruction set: make test-avx2 runs these again
+
 # Absolute, on full-vocabulary log-probabilities (the labels', and the greedy tokens'). Measured on a
 # 2-core AVX-512 CPU: labels at most 3.2e-5 with the native kernels and 1.1e-5 without (their values run
 # from -4.3 to -0.75); greedy tokens 4.2e-5 and 1.7e-5. 2e-4 leaves 5x for other CPUs and BLAS builds

@@ -19,6 +19,8 @@ from ladle.config import EngineConfig
 from ladle.spec_decode.config import SpeculativeConfig
 from ladle.spec_decode.ngram import propose
 
+pytestmark = pytest.mark.isa  # results depend on the instruction set: make test-avx2 runs these again
+
 # speculation on for batches of any size here (by default it stops at 4 sequences)
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "disable_by_batch_size": 64}
 # the embedded model was not trained for early exits: its last layers draft, to keep some drafts

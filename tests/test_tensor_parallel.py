@@ -18,6 +18,8 @@ from test_engine_vs_hf import PROMPTS, hf_greedy
 from tiny_models import build_tiny_model
 from tests.server_utils import own_server
 
+pytestmark = pytest.mark.isa  # results depend on the instruction set: make test-avx2 runs these again
+
 # Absolute, on log-probabilities: two ranks sum each row-parallel layer's halves, so the bits differ
 # from one process; measured at most 2e-5 on these models.
 TP_LOGPROB_TOL = 2e-4
@@ -115,6 +117,7 @@ def test_server_reports_expert_load_and_a_dead_worker(tmp_path: Path, smollm2_di
         assert reply.status_code == 503 and "worker" in reply.json()["error"]["message"]
 
 
+@pytest.mark.slow  # a Ray head and its actors
 def test_ray_backend_places_the_ranks_on_a_local_ray_head(tmp_path: Path, smollm2_dir: Path) -> None:
     """--distributed-executor-backend ray: the same shards as `mp`, so the same bits; a killed actor is noticed."""
     folder = build_tiny_model("llama", tmp_path / "m", smollm2_dir)

@@ -19,6 +19,8 @@ from ladle.model import quantization
 from ladle.model.kernels.routing import MatmulRouting
 from ladle.model.quantization import WIDEN_ROWS, GroupedWeight, Int8Linear, dequantize_int8, quantize_int8
 
+pytestmark = pytest.mark.isa  # results depend on the instruction set: make test-avx2 runs these again
+
 
 def _grouped(k: int, n: int, four_bit: bool, mins: bool, half: bool) -> GroupedWeight:
     _, w, _ = grouped_operands(k, n, 32, mins=mins, four_bit=four_bit)
