@@ -42,17 +42,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.fixture(scope="session")
-def smollm2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The default model converted (once per session, ~10 s) into a session-private cache."""
-    old = os.environ.get("LADLE_CACHE_DIR")
-    os.environ["LADLE_CACHE_DIR"] = str(tmp_path_factory.mktemp("ladle-cache"))
-    try:
-        yield resolve_model_path(None)
-    finally:
-        if old is None:
-            os.environ.pop("LADLE_CACHE_DIR", None)
-        else:
-            os.environ["LADLE_CACHE_DIR"] = old
+def smollm2_dir() -> Path:
+    """The default model, converted once per machine into the ladle cache (LADLE_CACHE_DIR, else
+    ~/.cache/ladle), as a user's first start converts it; the kernels are built there once per machine
+    too. The cache is keyed by the GGUF's content and the converter's version, the kernels by their
+    sources and flags, so neither goes stale; tests/test_loader.py and tests/test_kernels.py convert and
+    build into fresh folders of their own."""
+    return resolve_model_path(None)
 
 
 @pytest.fixture(scope="session")
