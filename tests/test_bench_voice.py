@@ -43,8 +43,8 @@ class Seen:
 class FakeChat:
     """ASGI app: streaming /v1/chat/completions, the first content chunk `ttft` after the request arrives,
     then one word every `itl` (absolute deadlines), `reply` cut to max_tokens words. Honours request_id and
-    POST /v1/requests/{id}/cancel (200, then a finish_reason "abort" chunk and the usage; 404 in OpenAI's
-    shape when no such request runs), stops streaming when the client disconnects, adds "timings" to the
+    POST /v1/requests/{id}/cancel (200, then a finish_reason "abort" chunk and the usage; 404 with the real
+    server's body when no such request runs), stops streaming when the client disconnects, adds "timings" to the
     usage chunk with include_timings, and answers 500 to a user message containing "boom"."""
 
     def __init__(self, ttft: float = 0.2, itl: float = 0.02, reply: str = REPLY) -> None:
@@ -73,12 +73,11 @@ class FakeChat:
             found = self.running.get(rid) or self.running.get(rid.removeprefix("chatcmpl-"))
             self.cancels.append((rid, 200 if found else 404))
             if found is None:
-                await _json(send, {"error": {"message": f"no running request {rid}", "type": "not_found_error",
-                                             "param": "request_id", "code": 404}}, status=404)
+                await _json(send, cancel_not_found_body(rid), status=404)
                 return
             found[0].ended = "route"
             found[1].set()
-            await _json(send, {"id": f"chatcmpl-{rid}", "object": "request.cancelled"})
+            await _json(send, {"id": rid, "object": "request.cancelled", "cancelled": True})
         else:
             await _json(send, {"error": {"message": "not found"}}, status=404)
 
@@ -144,6 +143,13 @@ class FakeChat:
             watcher.cancel()
             if rid:
                 self.running.pop(rid, None)
+
+
+def cancel_not_found_body(rid: str) -> dict[str, Any]:
+    """The real server's 404 for a cancel of no running request (tests/test_bench_live.py checks it against
+    a live ladle server)."""
+    return {"error": {"message": f"no running request {rid!r} (it finished, or was never sent)",
+                      "type": "invalid_request_error", "param": "request_id", "code": "request_not_found"}}
 
 
 async def _json(send: Any, data: Any, status: int = 200) -> None:
