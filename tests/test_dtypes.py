@@ -25,6 +25,12 @@ NEW_TOKENS = 16
 # Logits are rounded to the dtype (bf16 keeps 8 bits: ~0.06 at |logit| ~ 16), and a batch
 # rounds differently from transformers' single sequence, so logprobs agree only this well:
 LOGPROB_TOLERANCE = {"bfloat16": 0.3, "float16": 0.06}
+# Where ladle's greedy token is not transformers' argmax, how far below the argmax it may be: a near-tie
+# broken the other way by rounding. Measured over these prompts: bf16 0.0625 (AMX) and 0.094 (forced
+# AVX2: three bf16 steps at |logit| in [4, 8)); fp16 0 (AMX) and 0.0156 (AVX2). Bound: one bf16 step at
+# the largest logits (2^-3 for |logit| in [16, 32)), two fp16 steps there (2^-5): 1.3 and 2 times the
+# measured, the margin for another CPU's rounding; a wrong token that is no tie is far beyond either.
+NEAR_TIE_MARGIN = {"bfloat16": 2**-3, "float16": 2**-5}
 MIN_TOP1_AGREEMENT = 0.9  # ladle's greedy token is transformers' argmax at the same prefix
 
 
@@ -115,7 +121,7 @@ def test_reduced_dtype_against_transformers_in_that_dtype(smollm2_dir: Path, dty
             got = out.outputs[0].logprobs[step].logprob
             assert abs(got - ref[step, token].item()) < LOGPROB_TOLERANCE[dtype], (prompt, step)
             margin = (ref[step].max() - ref[step, token]).item()
-            assert margin < LOGPROB_TOLERANCE[dtype], (prompt, step)  # a near-tie at worst
+            assert margin <= NEAR_TIE_MARGIN[dtype], (prompt, step, margin)  # a near-tie at worst
             agree += margin == 0
             total += 1
     assert agree / total >= MIN_TOP1_AGREEMENT

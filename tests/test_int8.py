@@ -192,7 +192,10 @@ def test_int8_model_tracks_the_float_model(float_and_int8) -> None:
     delta = sum(abs(r.logprob - g.logprob) for r, g in zip(ref, got)) / len(ref)
     nll = {name: -sum(lp.logprob for lp in lps) / len(lps) for name, lps in (("fp", ref), ("q8", got))}
     assert agree >= 0.92 and delta < 0.15, (agree, delta)
-    assert abs(math.exp(nll["q8"]) / math.exp(nll["fp"]) - 1) < 0.05, nll  # perplexity within 5%
+    # perplexity within 3%: measured -1.4% on an AMX Xeon (the VNNI kernel) and -1.9% on the forced AVX2 path,
+    # fixed for given kernels; the margin covers another CPU's rounding of the 8-bit activations (the two
+    # paths differ by 0.5 points) with room for one more such step, and a broken kernel moves it by far more
+    assert abs(math.exp(nll["q8"]) / math.exp(nll["fp"]) - 1) < 0.03, nll
     assert sum(lin.nbytes for lin in q8.engine.runner.model.linears) * 3.5 < \
         sum(lin.nbytes for lin in fp.engine.runner.model.linears)
     assert q8.engine.runtime_info()["quantization"] == "int8" and q8.engine.runtime_info()["weights"] == "int8 per row"
