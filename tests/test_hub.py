@@ -1,13 +1,16 @@
 """Hugging Face Hub ids (`ORG/NAME`, `ORG/NAME:QUANT`): resolved from a hub cache written the way
 huggingface_hub writes it (blobs, snapshot symlinks, refs, the tree listing, with the library's own
-functions), offline; the errors for ids that are not cached or do not exist name the id."""
+functions), offline; downloaded from a local stand-in for the Hub serving real files, with HF_TOKEN, into
+the hub cache; the errors for ids that are not cached or do not exist name the id."""
 
 from __future__ import annotations
 
 import hashlib
 import http.server
 import importlib
+import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -223,6 +226,142 @@ def fake_hub() -> Iterator[str]:
     yield f"http://127.0.0.1:{server.server_address[1]}"
     server.shutdown()
     server.server_close()
+
+
+class ServedHub(http.server.BaseHTTPRequestHandler):
+    """A local stand-in for huggingface.co serving real files: the routes and headers huggingface_hub's
+    downloads read (the repo's info, its tree listing, HEAD and GET of /{repo}/resolve/{revision}/{file},
+    LFS files named by their sha256). Every repo is private: a request without `Bearer TOKEN` is answered
+    as the Hub answers it (401, RepoNotFound). Each request is logged as (method, path, Authorization)."""
+
+    repos: dict[str, dict[str, bytes]] = {}  # repo id -> file name -> content
+    log: list[tuple[str, str, str | None]] = []
+    TOKEN = "hf_ladle_test_token"
+
+    @staticmethod
+    def commit(repo: str) -> str:
+        return hashlib.sha1(f"{repo}@main".encode()).hexdigest()
+
+    @staticmethod
+    def lfs(name: str) -> bool:
+        return name.endswith((".safetensors", ".gguf"))
+
+    def _reply(self, code: int, body: bytes = b"", headers: dict[str, str] | None = None,
+               send_body: bool = True) -> None:
+        self.send_response(code)
+        for k, v in (headers or {}).items():
+            self.send_header(k, v)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if send_body:
+            self.wfile.write(body)
+
+    def _handle(self, send_body: bool) -> None:
+        from urllib.parse import unquote, urlsplit
+
+        self.log.append((self.command, self.path, self.headers.get("Authorization")))
+        path = unquote(urlsplit(self.path).path)
+        api = re.fullmatch(r"/api/models/([^/]+/[^/]+)(?:/revision/([^/]+)|/tree/([^/]+))?", path)
+        resolve = re.fullmatch(r"/([^/]+/[^/]+)/resolve/([^/]+)/(.+)", path)
+        repo = (api or resolve)[1] if (api or resolve) else None
+        if repo not in self.repos or self.headers.get("Authorization") != f"Bearer {self.TOKEN}":
+            body = b'{"error": "Repository not found"}'
+            return self._reply(401, body, {"X-Error-Code": "RepoNotFound", "Content-Type": "application/json"},
+                               send_body)
+        files, commit = self.repos[repo], self.commit(repo)
+        if api and api[3] is not None:  # the tree listing
+            tree = [{"type": "file", "path": name, "size": len(data), "oid": _git_sha1(data),
+                     **({"lfs": {"oid": hashlib.sha256(data).hexdigest(), "size": len(data), "pointerSize": 134}}
+                        if self.lfs(name) else {})} for name, data in files.items()]
+            return self._reply(200, json.dumps(tree).encode(), {"Content-Type": "application/json"}, send_body)
+        if api:
+            info = {"id": repo, "modelId": repo, "sha": commit, "private": True,
+                    "siblings": [{"rfilename": name} for name in files]}
+            return self._reply(200, json.dumps(info).encode(), {"Content-Type": "application/json"}, send_body)
+        name = resolve[3]
+        if name not in files:
+            return self._reply(404, b"", {"X-Error-Code": "EntryNotFound"}, send_body)
+        data = files[name]
+        headers = {"X-Repo-Commit": commit, "ETag": f'"{_git_sha1(data)}"', "Content-Type": "application/octet-stream"}
+        if self.lfs(name):
+            headers |= {"X-Linked-Etag": f'"{hashlib.sha256(data).hexdigest()}"', "X-Linked-Size": str(len(data))}
+        self._reply(200, data, headers, send_body)
+
+    def do_GET(self) -> None:
+        self._handle(send_body=True)
+
+    def do_HEAD(self) -> None:
+        self._handle(send_body=False)
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+def _git_sha1(data: bytes) -> str:
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+@pytest.fixture
+def served_hub(tiny_llama: Path, two_ggufs: dict[str, Path]) -> Iterator[str]:
+    """The stand-in serving a tiny Llama's folder as `org/tiny` and two GGUFs as `org/tiny-GGUF`."""
+    ServedHub.repos = {"org/tiny": {name: f.read_bytes() for name, f in folder_files(tiny_llama).items()},
+                       "org/tiny-GGUF": {name: f.read_bytes() for name, f in two_ggufs.items()}}
+    ServedHub.log = []
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), ServedHub)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def test_a_model_not_cached_is_downloaded_into_the_hub_cache_with_the_token(
+        hub_cache: Path, served_hub: str, tiny_llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A private repo: refused without HF_TOKEN, downloaded with it (the token on every request) into
+    HF_HUB_CACHE as huggingface_hub's own cache scan reads it, then served offline from there."""
+    from huggingface_hub import scan_cache_dir
+
+    online(monkeypatch, served_hub)
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.setenv("HF_TOKEN_PATH", str(hub_cache.parent / "no-token"))  # no `hf auth login` token either
+    with pytest.raises(FileNotFoundError, match=r"'org/tiny' is neither a local path nor a model on the Hugging "
+                                                r"Face Hub \(if it is private, log in"):
+        resolve_model_path("org/tiny")  # private: not found without the token
+    assert ServedHub.log and all(auth is None for _, _, auth in ServedHub.log)
+    ServedHub.log.clear()
+    monkeypatch.setenv("HF_TOKEN", ServedHub.TOKEN)
+    path = resolve_model_path("org/tiny")
+    assert ServedHub.log and all(auth == f"Bearer {ServedHub.TOKEN}" for _, _, auth in ServedHub.log)
+    # in the hub cache, laid out by huggingface_hub: a snapshot of the commit, symlinks to content-named blobs
+    assert path == hub_cache / "models--org--tiny" / "snapshots" / ServedHub.commit("org/tiny")
+    (repo,) = scan_cache_dir(hub_cache).repos
+    (rev,) = repo.revisions
+    assert repo.repo_id == "org/tiny" and rev.refs == {"main"} and rev.snapshot_path == path
+    served = ServedHub.repos["org/tiny"]
+    wanted = {n for n in served if n.endswith((".json", ".safetensors", ".jinja")) or n.startswith("tokenizer")}
+    assert {f.file_name for f in rev.files} == wanted and wanted >= {"config.json", "model.safetensors"}
+    for f in rev.files:
+        assert f.file_path.is_symlink() and f.blob_path.parent.name == "blobs"
+        assert f.file_path.read_bytes() == served[f.file_name]
+    # then offline, from the cache alone: no request, and the same model as the folder it was served from
+    ServedHub.log.clear()
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    importlib.reload(importlib.import_module("huggingface_hub.constants"))
+    assert resolve_model_path("org/tiny") == path and not ServedHub.log
+    out = LLM("org/tiny", num_kv_blocks=64).generate([PROMPT], GREEDY)[0].outputs[0].token_ids
+    assert out == LLM(str(tiny_llama), num_kv_blocks=64).generate([PROMPT], GREEDY)[0].outputs[0].token_ids
+
+
+def test_a_gguf_quant_downloads_that_file_alone(hub_cache: Path, served_hub: str,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """ORG/NAME:QUANT downloads the one GGUF file the quant names, with the token, into the hub cache."""
+    online(monkeypatch, served_hub)
+    monkeypatch.setenv("HF_TOKEN", ServedHub.TOKEN)
+    path = hub_model_path("org/tiny-GGUF:q4_k_m")
+    assert path.name == "tiny-Q4_K_M.gguf" and path.read_bytes() == ServedHub.repos["org/tiny-GGUF"][path.name]
+    assert path.parent == hub_cache / "models--org--tiny-GGUF" / "snapshots" / ServedHub.commit("org/tiny-GGUF")
+    assert sorted(p.name for p in path.parent.iterdir()) == ["tiny-Q4_K_M.gguf"]  # not the Q8_0, not the README
+    assert all(auth == f"Bearer {ServedHub.TOKEN}" for _, _, auth in ServedHub.log)
 
 
 def test_unknown_id_and_revision_online_name_them(hub_cache: Path, fake_hub: str,
