@@ -1,6 +1,9 @@
 """4-bit GPTQ and AWQ checkpoints: a tiny Llama quantised to 4 bits in groups of 32, written in each
 format by this test's own packers, served by ladle and compared with transformers running the same
-model on the dequantised weights (scale * (q - zero), in float32)."""
+model on the dequantised weights (scale * (q - zero), in float32). And the independent reference:
+checkpoints packed by GPTQModel (GPTQ v1 and v2, symmetric, asymmetric and act-order; AWQ GEMM), with the
+weights GPTQModel's own dequantisers give (tests/data/gptqmodel_int4, written by its make.py): ladle's
+float weights equal them bit for bit, and its 4-bit layers serve them as transformers does."""
 
 from __future__ import annotations
 
@@ -9,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from test_engine_vs_hf import check_logprobs
 from tiny_models import build_tiny_model
 
@@ -179,3 +182,76 @@ def test_unreadable_quantization_configs_are_refused_by_name(tiny_llama: Path, t
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=f"quantization_config.{message}"):
         LLM(str(folder))
+
+
+# -- checkpoints packed by GPTQModel -------------------------------------------------------------------------
+
+GPTQMODEL = Path(__file__).parent / "data" / "gptqmodel_int4"
+# each checkpoint in gptqmodel_int4.safetensors, and the quantisation (the reference weights) it carries
+GPTQMODEL_CASES = {"gptq-sym": "sym", "gptq-asym": "asym", "gptq-asym-v2": "asym", "awq": "asym",
+                   "gptq-act-order": "act-order"}
+
+
+@pytest.fixture(scope="module")
+def one_layer_llama(tmp_path_factory, smollm2_dir: Path) -> Path:
+    """The float model GPTQModel's checkpoints were quantised from (make.py's MODEL): its other tensors."""
+    return build_tiny_model("llama", tmp_path_factory.mktemp("float1"), smollm2_dir, hidden_size=64,
+                            intermediate_size=128, num_hidden_layers=1)
+
+
+def gptqmodel_checkpoint(src: Path, out: Path, case: str) -> dict[str, torch.Tensor]:
+    """A checkpoint folder: `src`'s tensors less the projections' float weights, GPTQModel's packed tensors of
+    `case` and GPTQModel's quantization_config. Returns the reference weights by HF name: GPTQModel's
+    dequantisation (scale * (code - zero) in float32, from the codes make.py stored)."""
+    packed = load_file(GPTQMODEL / "gptqmodel_int4.safetensors")
+    tensors = {k: v for k, v in load_file(src / "model.safetensors").items()
+               if not k.endswith(tuple(f"{p}.weight" for p in PROJECTIONS))}
+    tensors |= {k.split("/", 1)[1]: v for k, v in packed.items() if k.startswith(case + "/")}
+    reference = {}
+    for key in packed:
+        if key.startswith(f"reference-{GPTQMODEL_CASES[case]}/") and key.endswith(".codes"):
+            name = key.split("/", 1)[1].removesuffix(".codes")
+            codes, zeros, scales, g_idx = (packed[f"reference-{GPTQMODEL_CASES[case]}/{name}.{part}"]
+                                           for part in ("codes", "zeros", "scales", "g_idx"))
+            g = g_idx.long()
+            reference[name + ".weight"] = scales.float()[:, g] * (codes.float() - zeros.float()[:, g])
+    assert len(reference) == len(PROJECTIONS)
+    out.mkdir(parents=True)
+    save_file(tensors, out / "model.safetensors")
+    config = json.loads((src / "config.json").read_text())
+    qc = json.loads((GPTQMODEL / "quantization_configs.json").read_text())[case]
+    (out / "config.json").write_text(json.dumps({**config, "quantization_config": qc}))
+    for f in src.iterdir():
+        if f.name not in ("config.json", "model.safetensors"):
+            (out / f.name).write_bytes(f.read_bytes())
+    return reference
+
+
+@pytest.mark.parametrize("case", GPTQMODEL_CASES)
+def test_gptqmodels_checkpoints_dequantise_to_gptqmodels_weights(one_layer_llama: Path, tmp_path: Path,
+                                                                 case: str) -> None:
+    """--quantization none: ladle's float weights are GPTQModel's dequantisation, bit for bit."""
+    reference = gptqmodel_checkpoint(one_layer_llama, tmp_path / case, case)
+    llm = LLM(str(tmp_path / case), dtype="float32", quantization="none", kv_cache_memory_gib=0.05)
+    assert llm.engine.runtime_info()["weights"] == "float"
+    (layer,) = llm.engine.runner.model.layers
+    ref = {p.split(".")[1]: reference[f"model.layers.0.{p}.weight"] for p in PROJECTIONS}
+    assert torch.equal(layer.qkv.weight, torch.cat([ref["q_proj"], ref["k_proj"], ref["v_proj"]]))
+    assert torch.equal(layer.o_proj.weight, ref["o_proj"])
+    assert torch.equal(layer.gate_up.weight, torch.cat([ref["gate_proj"], ref["up_proj"]]))
+    assert torch.equal(layer.down.weight, ref["down_proj"])
+
+
+@pytest.mark.parametrize("case", GPTQMODEL_CASES)
+def test_gptqmodels_checkpoints_serve_as_transformers_on_gptqmodels_weights(one_layer_llama: Path, tmp_path: Path,
+                                                                           case: str) -> None:
+    """The 4-bit layers (act-order: float, as ladle serves it) against transformers on GPTQModel's weights."""
+    reference = gptqmodel_checkpoint(one_layer_llama, tmp_path / case, case)
+    llm = LLM(str(tmp_path / case), dtype="float32", kv_cache_memory_gib=0.05)
+    method = "AWQ" if case == "awq" else "GPTQ"
+    expect = "float" if case == "gptq-act-order" else f"4-bit in groups of {GROUP} ({method}) + float"
+    assert llm.engine.runtime_info()["weights"] == expect
+    hf = hf_on(one_layer_llama, reference)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=3, prompt_logprobs=1)
+    for res in llm.generate(PROMPTS, params):
+        assert check_logprobs(res, hf, 3) < 2e-4, case
