@@ -10,7 +10,7 @@ Part 2, effort-aware scheduling: long thinkers (a large thinking budget) all at 
 chats arriving at a steady rate; p99 TTFT of the short ones alone, beside the long ones without
 the policy, and with --max-high-effort-seqs.
 
-Usage: python benchmarks/agents.py [--sessions 8] [--turns 6] [--png docs/agents.png] [--json out.json]
+Usage: python benchmarks/agents.py [--sessions 8] [--turns 6] [--png docs/agents.png] [--json out.json] [--quick]
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def agent_run(args, offload: bool, work: Path) -> dict:
         bench = [LADLE, "bench", "serve", "--base-url", base, "--dataset", "agent",
                  "--num-prompts", str(args.sessions * args.turns), "--agent-turns", str(args.turns),
                  "--agent-system-len", str(args.system_len), "--agent-burst-len", str(args.burst_len),
-                 "--agent-output-len", "32", "--agent-think-time", str(args.think_time), "--ignore-eos",
+                 "--agent-output-len", str(args.output_len), "--agent-think-time", str(args.think_time), "--ignore-eos",
                  "--temperature", "0", "--percentiles", "50,99", "--save-result", "--result-dir", str(work),
                  "--result-filename", f"{label}.json", "--seed", "1"]
         print(f"\n== agent sessions, {label} ==", flush=True)
@@ -106,7 +106,7 @@ async def mixed_load(base: str, model: str, args, with_long: bool) -> list[float
     tasks = []
     if with_long:
         tasks.append(asyncio.ensure_future(run_load(long, longs, LoadSpec(), progress=False)))
-        await asyncio.sleep(2.0)  # the thinkers are running when the short requests start
+        await asyncio.sleep(args.long_head_start)  # the thinkers are running when the short requests start
     spec = LoadSpec(request_rate=args.short_rate, burstiness=float("inf"))
     shorts = asyncio.ensure_future(run_load(short, short_requests(args.short_requests, args.short_tokens), spec, desc="short"))
     short_run = await shorts
@@ -220,10 +220,21 @@ def main() -> None:
     p.add_argument("--short-tokens", type=int, default=24)
     p.add_argument("--max-num-seqs", type=int, default=8)
     p.add_argument("--max-high-effort-seqs", type=int, default=4)
-    p.add_argument("--png", default="docs/agents.png")
+    p.add_argument("--output-len", type=int, default=32, help="tokens each agent turn generates")
+    p.add_argument("--long-head-start", type=float, default=2.0, help="seconds the thinkers run before the chats")
+    p.add_argument("--png", default=None, help="default: docs/agents.png (--quick: a temporary folder)")
     p.add_argument("--json", default=None)
     p.add_argument("--replot", default=None, metavar="JSON", help="only redraw the PNG from a --json result")
+    p.add_argument("--quick", action="store_true",
+                   help="smoke run: 2 sessions of 2 short turns, 1 thinker and 3 chats of a few tokens")
     args = p.parse_args()
+    if args.quick:
+        for name, value in dict(sessions=2, turns=2, system_len=32, burst_len=16, think_time=0.05, pool_blocks=64,
+                                offload_gib=0.25, long_requests=1, long_budget=16, short_requests=3,
+                                short_rate=10.0, short_tokens=4, output_len=4, long_head_start=0.2).items():
+            setattr(args, name, value)
+        args.png = args.png or str(Path(tempfile.mkdtemp(prefix="ladle-agents-quick-")) / "agents.png")
+    args.png = args.png or "docs/agents.png"
     if args.replot:
         saved = json.loads(Path(args.replot).read_text())
         plot(saved["agent"], saved["effort"], args.png, saved["machine"])

@@ -6,7 +6,7 @@ holds per weight, the ms per pass, the weight bytes read per second and the spee
 float32. Random values in each format's range, its scales held as ladle holds them (fp16 where
 the file's one factor per block is, float32 where a k-quant's products are).
 
-Usage: python benchmarks/block_formats.py [--out 4864] [--in 1024] [--layers 24] [--rounds 3]
+Usage: python benchmarks/block_formats.py [--out 4864] [--in 1024] [--layers 24] [--rounds 3] [--quick]
 """
 
 from __future__ import annotations
@@ -51,7 +51,10 @@ def main() -> None:
     ap.add_argument("--in", dest="inputs", type=int, default=1024, help="a multiple of 256 (the k-quants' blocks)")
     ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="smoke run: 2 layers of [256, 256], one round")
     args = ap.parse_args()
+    if args.quick:
+        args.out, args.inputs, args.layers, args.rounds = 256, 256, 2, 1
     n, k = args.out, args.inputs
     torch.manual_seed(0)
     print(f"{machine()}; {args.layers} layers of [{n}, {k}], batch 1\n", flush=True)

@@ -14,7 +14,7 @@ asked one at a time as a plain decision and as a head decision, alternating; que
 the latency ratio. Prints the tables, writes JSON and a reliability PNG of raw, the best
 calibration and the head.
 
-Usage: .venv/bin/python benchmarks/calibration.py [--sets tickets,reviews] [--out-dir DIR]
+Usage: .venv/bin/python benchmarks/calibration.py [--sets tickets,reviews] [--out-dir DIR] [--quick]
 """
 
 from __future__ import annotations
@@ -100,15 +100,27 @@ def serving_cost(url: str, question: dict, head: str, inputs: list) -> dict:
     return out
 
 
-def run_set(name: str, url_of_plain: str, work: Path) -> dict:
-    question_file = DATA / f"{name}.question.json"
+def quick_data(name: str, work: Path) -> Path:
+    """--quick: every 4th example to fit and every 5th held out, in their own folder."""
+    folder = work / "quick-data"
+    folder.mkdir(exist_ok=True)
+    (folder / f"{name}.question.json").write_text((DATA / f"{name}.question.json").read_text())
+    for part, step in (("fit", 4), ("heldout", 5)):
+        lines = (DATA / f"{name}.{part}.jsonl").read_text().splitlines()
+        (folder / f"{name}.{part}.jsonl").write_text("\n".join(lines[::step]) + "\n")
+    return folder
+
+
+def run_set(name: str, url_of_plain: str, work: Path, quick: bool = False) -> dict:
+    data = quick_data(name, work) if quick else DATA
+    question_file = data / f"{name}.question.json"
     question = json.loads(question_file.read_text())
-    fit = read_labelled(DATA / f"{name}.fit.jsonl", question)
-    held = read_labelled(DATA / f"{name}.heldout.jsonl", question)
-    common = ["--base-url", url_of_plain, "--data", str(DATA / f"{name}.fit.jsonl"),
-              "--heldout", str(DATA / f"{name}.heldout.jsonl"), "--question", str(question_file)]
+    fit = read_labelled(data / f"{name}.fit.jsonl", question)
+    held = read_labelled(data / f"{name}.heldout.jsonl", question)
+    common = ["--base-url", url_of_plain, "--data", str(data / f"{name}.fit.jsonl"),
+              "--heldout", str(data / f"{name}.heldout.jsonl"), "--question", str(question_file)]
     rows: dict[str, dict] = {}
-    for method in methods_for(question):
+    for method in methods_for(question)[:1] if quick else methods_for(question):
         print(f"\n[{name}] calibrate fit --method {method}", flush=True)
         report, seconds = fit_with_cli(["calibrate", "fit", *common, "--method", method, "--concurrency", "8",
                                         "--out", str(work / f"{name}-{method}.json")], work / f"{name}-{method}")
@@ -124,7 +136,7 @@ def run_set(name: str, url_of_plain: str, work: Path) -> dict:
     return {"question": question, "fit": fit, "held": held, "rows": rows, "head_path": head_path}
 
 
-def serve_heads(results: dict, port: int, work: Path) -> None:
+def serve_heads(results: dict, port: int, work: Path, cost_inputs: int = 24) -> None:
     """Serve every fitted head; ask the held-out sets through /v1/decisions; measure the cost."""
     cmd = [LADLE, "serve", "--port", str(port), "--uvicorn-log-level", "warning"]
     for name, r in results.items():
@@ -136,7 +148,7 @@ def serve_heads(results: dict, port: int, work: Path) -> None:
             r["rows"]["head (served)"] = {**evaluate(probs, r["held"].labels, r["fit"].options),
                                           "fit_s": r["rows"]["head (fit report)"]["fit_s"]}
             r["served_probs"] = probs
-            r["cost"] = serving_cost(url, r["question"], name, r["held"].inputs[:24])
+            r["cost"] = serving_cost(url, r["question"], name, r["held"].inputs[:cost_inputs])
 
 
 def print_table(name: str, r: dict) -> None:
@@ -192,7 +204,12 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sets", default="tickets,reviews")
     ap.add_argument("--out-dir", type=Path, default=Path.home() / ".cache" / "ladle" / "calibration-bench")
+    ap.add_argument("--quick", action="store_true",
+                    help="smoke run: the reviews set alone, a quarter of it to fit and a fifth held out, one "
+                         "calibration method (temperature), the serving cost over 4 inputs")
     args = ap.parse_args()
+    if args.quick:
+        args.sets = "reviews"
     args.out_dir.mkdir(parents=True, exist_ok=True)
     print(f"CPU: {cpu_name()}, {os.cpu_count()} CPUs; model: the embedded SmolLM2-135M-Instruct", flush=True)
     work = Path(tempfile.mkdtemp(prefix="ladle-calibration-bench-"))
@@ -201,9 +218,9 @@ def main() -> int:
     cmd = [LADLE, "serve", "--port", str(port), "--uvicorn-log-level", "warning"]
     with running_server(cmd, dict(os.environ), port, work / "serve.log", timeout_s=180) as url:
         for name in args.sets.split(","):
-            results[name] = run_set(name, url, work)
+            results[name] = run_set(name, url, work, args.quick)
             add_raw_and_best_probs(results[name], url, work, name)
-    serve_heads(results, free_port(), work)
+    serve_heads(results, free_port(), work, 4 if args.quick else 24)
     for name, r in results.items():
         print_table(name, r)
     summary = {name: {"rows": r["rows"], "cost": r["cost"], "best_calibration": r["best"]}

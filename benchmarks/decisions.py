@@ -13,7 +13,7 @@ best run counts (the baseline takes each prompt's best of two forwards).
 Done when at 16 questions ladle answers >= 3x the baseline's questions/s and 16 questions
 cost <= 2x one question's latency; the script exits with status 1 when these targets are missed.
 
-Usage: python benchmarks/decisions.py [--model PATH] [--repeats 5] [--sizes 1,4,16] [--save out.json]
+Usage: python benchmarks/decisions.py [--model PATH] [--repeats 5] [--sizes 1,4,16] [--save out.json] [--quick]
 """
 
 from __future__ import annotations
@@ -108,8 +108,8 @@ class InProcessServer:
         self.thread.join(30)
 
 
-def ladle_request(http: httpx.Client, url: str, tokenizer, k: int, seed: int) -> tuple[float, dict]:
-    body = {"input": ticket_input(seed, tokenizer=tokenizer), "questions": questions(k),
+def ladle_request(http: httpx.Client, url: str, tokenizer, k: int, seed: int, tokens: int = 500) -> tuple[float, dict]:
+    body = {"input": ticket_input(seed, tokens, tokenizer=tokenizer), "questions": questions(k),
             "return_prompt_token_ids": True}
     t = time.perf_counter()
     resp = http.post(f"{url}/v1/decisions", json=body)
@@ -134,8 +134,13 @@ def main() -> None:
     ap.add_argument("--sizes", default="1,4,16")
     ap.add_argument("--repeats", type=int, default=5, help="runs of each size, interleaved; the best one counts")
     ap.add_argument("--save", default=None, help="write the figures as JSON here")
+    ap.add_argument("--quick", action="store_true",
+                    help="smoke run: 1 and 2 questions over a 100-token input, one round (no targets checked)")
     args = ap.parse_args()
+    if args.quick:
+        args.sizes, args.repeats = "1,2", 1
     sizes = [int(x) for x in args.sizes.split(",")]
+    input_tokens, warmup_rounds = (100, 1) if args.quick else (500, WARMUP_ROUNDS)
     print(f"machine: {machine()}")
     # A pool a few rounds of requests wrap around, so the measured rounds run on KV blocks that
     # were touched before, as in a server that has been up a while: first touches of fresh
@@ -149,13 +154,13 @@ def main() -> None:
     last: dict[int, dict] = {}
     try:
         with httpx.Client(timeout=600) as http:
-            for r in range(WARMUP_ROUNDS):  # fills and wraps the pool
+            for r in range(warmup_rounds):  # fills and wraps the pool
                 for k in sizes:
-                    ladle_request(http, server.url, tok, k, seed=10_000 + 100 * r + k)
+                    ladle_request(http, server.url, tok, k, seed=10_000 + 100 * r + k, tokens=input_tokens)
             # Interleaved, so load from elsewhere on the machine hits every size alike; best of the repeats.
             for r in range(args.repeats):
                 for k in sizes:
-                    elapsed, last[k] = ladle_request(http, server.url, tok, k, seed=1000 * k + r)
+                    elapsed, last[k] = ladle_request(http, server.url, tok, k, seed=1000 * k + r, tokens=input_tokens)
                     times[k].append(elapsed)
     finally:
         server.stop()

@@ -17,7 +17,7 @@ routing, not hardware. Writes the table as JSON and the figures as a PNG.
 
 Usage: python benchmarks/fleet.py [--workers 4] [--prefixes 8] [--prefix-tokens 1024] [--requests 96]
                                   [--concurrency 8] [--policies ...] [--rates 0.25 0.5 0.75] [--skip-prefix]
-                                  [--skip-disagg] [--png docs/fleet.png]
+                                  [--skip-disagg] [--png docs/fleet.png] [--quick]
 """
 
 from __future__ import annotations
@@ -68,11 +68,22 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--skip-warm", action="store_true", help="skip (1b), the router restarted over warm workers")
     p.add_argument("--skip-disagg", action="store_true")
     p.add_argument("--startup-timeout", type=float, default=600.0)
-    p.add_argument("--png", default="docs/fleet.png")
+    p.add_argument("--png", default=None, help="default: docs/fleet.png (--quick: a temporary folder)")
     p.add_argument("--json", default=None, help="default: the PNG's path with .json")
     p.add_argument("--update", action="store_true",
                    help="keep the parts of an earlier result in --json that this run skips, and redraw the PNG")
-    return p.parse_args(argv)
+    p.add_argument("--quick", action="store_true",
+                   help="smoke run: 2 workers, cache_aware alone over 2 short prefixes (4 requests, no warm "
+                        "restart), 4 requests at one rate for the disaggregation part")
+    args = p.parse_args(argv)
+    if args.quick:
+        for name, value in dict(workers=2, prefixes=2, prefix_tokens=48, requests=4, concurrency=2, max_tokens=4,
+                                policies=["cache_aware"], skip_warm=True, rates=[2.0], mix_requests=4,
+                                long_tokens=64).items():
+            setattr(args, name, value)
+        args.png = args.png or str(Path(tempfile.mkdtemp(prefix="ladle-fleet-quick-")) / "fleet.png")
+    args.png = args.png or "docs/fleet.png"
+    return args
 
 
 # -- processes ---------------------------------------------------------------------------

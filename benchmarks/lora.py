@@ -8,7 +8,7 @@ Every configuration is run in interleaved rounds (the best round counts), so a n
 does not land on one of them. 16 requests at once, 128-token random prompts, 64 output tokens each
 (ignore_eos).
 
-Usage: python benchmarks/lora.py [--rounds 3] [--tokens 64] [--png docs/lora.png]
+Usage: python benchmarks/lora.py [--rounds 3] [--tokens 64] [--png docs/lora.png] [--quick]
 """
 
 from __future__ import annotations
@@ -71,17 +71,24 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--png", default=None, help="also draw the throughputs as a bar chart")
+    ap.add_argument("--quick", action="store_true",
+                    help="smoke run: 4 requests of 16 tokens over 2 and 4 adapters, 4 output tokens, one round")
     args = ap.parse_args()
+    global CONCURRENCY, PROMPT_LEN
+    few, many = 4, 16  # distinct adapters in the two spread configurations
+    if args.quick:
+        CONCURRENCY, PROMPT_LEN, few, many, args.rounds, args.tokens = 4, 16, 2, 4, 1, 4
     print(f"# {machine()}", flush=True)
     base = LLM(max_num_seqs=32)
     cfg = base.engine.model_config
     root = Path(tempfile.mkdtemp(prefix="ladle-lora-bench-"))
-    folders = {f"a{i}": write_adapter(root / f"a{i}", cfg, i) for i in range(16)}
-    engines = {"base": base, "max-loras 4": LLM(max_num_seqs=32, enable_lora=True, max_loras=4, max_lora_rank=RANK),
-               "max-loras 16": LLM(max_num_seqs=32, enable_lora=True, max_loras=16, max_lora_rank=RANK)}
+    folders = {f"a{i}": write_adapter(root / f"a{i}", cfg, i) for i in range(many)}
+    engines = {"base": base,
+               f"max-loras {few}": LLM(max_num_seqs=32, enable_lora=True, max_loras=few, max_lora_rank=RANK),
+               f"max-loras {many}": LLM(max_num_seqs=32, enable_lora=True, max_loras=many, max_lora_rank=RANK)}
     load_times = []
     for name, folder in folders.items():
-        for key in ("max-loras 4", "max-loras 16"):
+        for key in (f"max-loras {few}", f"max-loras {many}"):
             start = time.perf_counter()
             engines[key].engine.add_lora(name, str(folder))
             load_times.append(time.perf_counter() - start)
@@ -89,13 +96,14 @@ def main() -> None:
     prompts = [random_prompt_ids(rng, PROMPT_LEN) for _ in range(CONCURRENCY)]
     names = list(folders)
     # (label, engine, adapters per request, kernel)
+    spread = [names[i % few] for i in range(CONCURRENCY)]
     configs = [("base only", "base", [None] * CONCURRENCY, "auto"),
-               ("base only, LoRA on", "max-loras 4", [None] * CONCURRENCY, "auto"),
-               ("1 adapter", "max-loras 4", ["a0"] * CONCURRENCY, "native"),
-               ("4 adapters", "max-loras 4", [names[i % 4] for i in range(CONCURRENCY)], "native"),
-               ("16 adapters", "max-loras 16", names[:CONCURRENCY], "native"),
-               ("4 adapters, loop", "max-loras 4", [names[i % 4] for i in range(CONCURRENCY)], "loop"),
-               ("16 adapters, loop", "max-loras 16", names[:CONCURRENCY], "loop")]
+               ("base only, LoRA on", f"max-loras {few}", [None] * CONCURRENCY, "auto"),
+               ("1 adapter", f"max-loras {few}", ["a0"] * CONCURRENCY, "native"),
+               (f"{few} adapters", f"max-loras {few}", spread, "native"),
+               (f"{many} adapters", f"max-loras {many}", names[:CONCURRENCY], "native"),
+               (f"{few} adapters, loop", f"max-loras {few}", spread, "loop"),
+               (f"{many} adapters, loop", f"max-loras {many}", names[:CONCURRENCY], "loop")]
     for label, key, adapters, kernel in configs:  # first touches (slots, KV pages) before any timing
         run(engines[key], prompts, adapters, 4, kernel)
     best: dict[str, float] = {}
@@ -108,7 +116,7 @@ def main() -> None:
     print(f"{'configuration':22} {'out tok/s':>9} {'vs base':>8}")
     for label, *_ in configs:
         print(f"{label:22} {best[label]:9.1f} {best[label] / reference:8.2f}")
-    for n in (4, 16):
+    for n in (few, many):
         print(f"native kernel / loop over adapters, {n} adapters: "
               f"{best[f'{n} adapters'] / best[f'{n} adapters, loop']:.2f}x")
     load_times.sort()

@@ -12,7 +12,7 @@ expert parallelism on two ranks.
 (3) A paper estimate, from the per-layer compute measured in (1) and stated link figures, of
 TP and EP on a machine with several devices: an estimate, not a measurement.
 
-Usage: python benchmarks/parallel.py [--hidden 1024] [--layers 8] [--prompt 256] [--out docs/parallel.json]
+Usage: python benchmarks/parallel.py [--hidden 1024] [--layers 8] [--prompt 256] [--out docs/parallel.json] [--quick]
 """
 
 from __future__ import annotations
@@ -110,8 +110,13 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--prompt", type=int, default=256)
-    ap.add_argument("--out", default="docs/parallel.json")
+    ap.add_argument("--out", default=None, help="default: docs/parallel.json (--quick: none written)")
+    ap.add_argument("--quick", action="store_true", help="smoke run: hidden 128, 2 layers, 32-token prompts")
     args = ap.parse_args()
+    if args.quick:
+        args.hidden, args.layers, args.prompt = 128, 2, 32
+    elif args.out is None:
+        args.out = "docs/parallel.json"
     print(f"machine: {machine()}")
     cores = torch.get_num_threads()
     with tempfile.TemporaryDirectory() as tmp:
@@ -139,9 +144,10 @@ def main() -> None:
     print("\n(3) paper estimate (assumed links; per-layer compute from TP=1 here):")
     estimate = paper_estimate(res, args.hidden, args.layers)
     print("\n".join(estimate))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"machine": machine(), "results": res, "estimate": estimate}, indent=1))
-    print(f"wrote {args.out}")
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps({"machine": machine(), "results": res, "estimate": estimate}, indent=1))
+        print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

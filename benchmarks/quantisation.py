@@ -22,7 +22,7 @@ on one row.
 4-bit GPTQ and AWQ checkpoints load into the same grouped layers as a GGUF's Q4 blocks (ladle.model.int4_checkpoints).
 
 Usage: python benchmarks/quantisation.py [--models embedded,~/.cache/ladle/bench-models/qwen2-0.5b-shape,x.gguf]
-                                         [--kv float32,int8,fp8] [--rounds 2]
+                                         [--kv float32,int8,fp8] [--rounds 2] [--quick]
 """
 
 from __future__ import annotations
@@ -68,6 +68,10 @@ TEXT = "\n\n".join([
 def bytes_per_token(llm: LLM) -> int:
     m = llm.engine.runner.model
     return sum(lin.nbytes for layer in m.layers for lin in layer.linears) + m.lm_head.nbytes
+
+
+# the workloads' sizes (--quick shrinks them): decode contexts, c16's (requests, prompt, output), prefill's
+SIZES = {"contexts": (256, 2048), "c16": (16, 256, 64), "prefill": (8, 512, 1), "steps": 32, "bandwidth_mib": 1024}
 
 
 def decode_ms(llm: LLM, prompt_len: int, seed: int, steps: int = 32) -> float:
@@ -126,11 +130,11 @@ def load(model: str | None, weights: str, kv: str) -> tuple[LLM, dict]:
 
 def time_round(llm: LLM, row: dict, seed: int) -> None:
     """One round of timings, each kept if it is the best so far."""
-    for context in (256, 2048):
-        ms = decode_ms(llm, context, seed)
+    for context in SIZES["contexts"]:
+        ms = decode_ms(llm, context, seed, SIZES["steps"])
         row[f"decode_{context}"] = min(row.get(f"decode_{context}", math.inf), ms)
-    row["c16"] = max(row.get("c16", 0.0), tokens_per_second(llm, 16, 256, 64, seed)[0])
-    row["prefill"] = max(row.get("prefill", 0.0), tokens_per_second(llm, 8, 512, 1, seed)[1])
+    row["c16"] = max(row.get("c16", 0.0), tokens_per_second(llm, *SIZES["c16"], seed)[0])
+    row["prefill"] = max(row.get("prefill", 0.0), tokens_per_second(llm, *SIZES["prefill"], seed)[1])
 
 
 def measure_model(model: str | None, kvs: list[str], bandwidths: list[float], rounds: int) -> list[dict]:
@@ -140,14 +144,14 @@ def measure_model(model: str | None, kvs: list[str], bandwidths: list[float], ro
     formats = [(weights, kv) for weights in weight_formats(model) for kv in kvs]
     loaded = [load(model, weights, kv) for weights, kv in formats]
     for seed in range(1, rounds + 1):
-        bandwidths.append(read_bandwidth_gbs())
+        bandwidths.append(read_bandwidth_gbs(SIZES["bandwidth_mib"]))
         for (weights, kv), (llm, row) in zip(formats, loaded):
             print(f"  round {seed}/{rounds}: weights {WEIGHTS[weights]}, KV {kv} ...", flush=True)
             time_round(llm, row, seed)
     bandwidth = max(bandwidths)
     rows = []
     for llm, row in loaded:
-        for context in (256, 2048):
+        for context in SIZES["contexts"]:
             row[f"bound_{context}"] = (row["mb"] * 1e6 + context * row["kv_token_bytes"]) / (bandwidth * 1e9) * 1e3
         lps = text_logprobs(llm)
         row["ppl"] = math.exp(-sum(lp.logprob for lp in lps) / len(lps))
@@ -167,8 +171,15 @@ def main() -> None:
                     help="comma-separated: 'embedded' or HF folders / .gguf files")
     ap.add_argument("--kv", default="float32,int8", help="comma-separated KV cache dtypes")
     ap.add_argument("--rounds", type=int, default=2, help="interleaved timing rounds (the best counts)")
+    ap.add_argument("--quick", action="store_true",
+                    help="smoke run: the first model alone, float32 KV, one round, 32/64-token contexts, "
+                         "4 requests for c16")
     args = ap.parse_args()
-    bandwidths = [read_bandwidth_gbs()]
+    if args.quick:
+        args.models, args.kv, args.rounds = args.models.split(",")[0], "float32", 1
+        SIZES.update(contexts=(32, 64), c16=(4, 32, 8), prefill=(2, 64, 1), steps=8, bandwidth_mib=64)
+    low, high = SIZES["contexts"]
+    bandwidths = [read_bandwidth_gbs(SIZES["bandwidth_mib"])]
     print(f"{machine()}; read bandwidth {bandwidths[0]:.1f} GB/s; compute float32\n", flush=True)
     for model in args.models.split(","):
         path = None if model == "embedded" else model
@@ -178,15 +189,15 @@ def main() -> None:
         print(f"\n## {Path(model).name if path else 'SmolLM2-135M-Instruct (embedded)'}\n")
         print(f"Bounds at {max(bandwidths):.1f} GB/s, the best of {len(bandwidths)} read-bandwidth measurements "
               f"({min(bandwidths):.1f} to {max(bandwidths):.1f} GB/s).\n")
-        print("| weights | KV | weight MB per token | KV tokens per GiB | ms/token @256 (% of bound) | "
-              "ms/token @2048 (% of bound) | vs first row @256 / @2048 | c=16 tok/s | prefill tok/s | "
-              "perplexity | top-1 agreement |")
+        print(f"| weights | KV | weight MB per token | KV tokens per GiB | ms/token @{low} (% of bound) | "
+              f"ms/token @{high} (% of bound) | vs first row @{low} / @{high} | c={SIZES['c16'][0]} tok/s | "
+              "prefill tok/s | perplexity | top-1 agreement |")
         print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
         for r in rows:
             print(f"| {r['weights']} | {r['kv']} | {r['mb']:.0f} | {r['kv_tokens_gib']:,} | "
-                  f"{r['decode_256']:.2f} ({100 * r['bound_256'] / r['decode_256']:.0f}%) | "
-                  f"{r['decode_2048']:.2f} ({100 * r['bound_2048'] / r['decode_2048']:.0f}%) | "
-                  f"{base['decode_256'] / r['decode_256']:.2f}x / {base['decode_2048'] / r['decode_2048']:.2f}x | "
+                  f"{r[f'decode_{low}']:.2f} ({100 * r[f'bound_{low}'] / r[f'decode_{low}']:.0f}%) | "
+                  f"{r[f'decode_{high}']:.2f} ({100 * r[f'bound_{high}'] / r[f'decode_{high}']:.0f}%) | "
+                  f"{base[f'decode_{low}'] / r[f'decode_{low}']:.2f}x / {base[f'decode_{high}'] / r[f'decode_{high}']:.2f}x | "
                   f"{r['c16']:.1f} | {r['prefill']:.0f} | {r['ppl']:.3f} | {100 * r['top1']:.1f}% |", flush=True)
 
 

@@ -347,7 +347,8 @@ def main() -> None:
     ap.add_argument("--llama-server", default="/work/peers/llamacpp/llama.cpp/build/bin/llama-server")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--waves", type=int, default=1, help="send WAVES*c requests per case, at most c in flight")
-    ap.add_argument("--quick", action="store_true", help="smoke run: only c=1, 2 requests")
+    ap.add_argument("--quick", action="store_true",
+                    help="smoke run: ladle's servers of --servers alone (no peers), one round, only c=1, 2 requests")
     ap.add_argument("--model-dir", type=Path, default=Path.home() / ".cache/ladle/bench-models/qwen2-0.5b-shape")
     ap.add_argument("--result-dir", type=Path, default=Path.home() / ".cache/ladle/serve_vs_peers")
     ap.add_argument("--ladle-args", default="", help="extra flags for `ladle serve`, one string")
@@ -357,6 +358,13 @@ def main() -> None:
     ap.add_argument("--request-timeout", type=float, default=900.0)
     args = ap.parse_args()
     servers, work = parse_servers(args.servers), cases(args.quick, args.waves)
+    if args.quick:
+        peers = [s.label for s in servers if s.kind != "ladle"]
+        servers, args.rounds = [s for s in servers if s.kind == "ladle"], 1
+        if peers:
+            print(f"--quick: left out the peers {', '.join(peers)}", flush=True)
+        if not servers:
+            sys.exit("--quick needs a ladle server in --servers")
     model = ensure_model(args.model_dir.expanduser())
     stamp = time.strftime("%Y%m%d-%H%M%S")
     logs = args.result_dir / f"logs-{stamp}"

@@ -15,7 +15,7 @@ verification step measured ((kept + steps) / steps) against the i.i.d. expectati
 (1 - a^(k+1)) / (1 - a) for the k drafted per step. Methods and baseline run in interleaved rounds
 (the best round counts), so a noisy host's drift does not land on one of them.
 
-Usage: python benchmarks/speculative.py [--rounds 3] [--tokens 128] [--png docs/speculative.png]
+Usage: python benchmarks/speculative.py [--rounds 3] [--tokens 128] [--png docs/speculative.png] [--quick]
 """
 
 from __future__ import annotations
@@ -89,15 +89,20 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--concurrency", default="1,4,16")
     ap.add_argument("--png", default=None, help="also draw per-user speed ratios as a bar chart")
+    ap.add_argument("--quick", action="store_true",
+                    help="smoke run: the quote workload alone, one round at c=1, 8 output tokens")
     args = ap.parse_args()
+    works = ("quote", "code", "random")
+    if args.quick:
+        args.rounds, args.tokens, args.concurrency, works = 1, 8, "1", ("quote",)
     print(f"# {machine()}", flush=True)
     engines = {name: LLM(speculative_config=with_draft_model(cfg), max_num_seqs=32) for name, cfg in METHODS.items()}
     levels = [int(c) for c in args.concurrency.split(",")]
     for llm in engines.values():  # first-touch costs (KV pages, activation buffers) before any timing
-        run(llm, workload(llm, "code", max(levels), random.Random(0)), 16, sampled=False)
+        run(llm, workload(llm, "code", max(levels), random.Random(0)), min(16, args.tokens), sampled=False)
     best: dict[tuple[str, int, str], tuple] = {}
     for r in range(args.rounds):
-        for work in ("quote", "code", "random"):
+        for work in works:
             for c in levels:
                 prompts = workload(engines["none"], work, c, random.Random(c))
                 for name, llm in engines.items():
@@ -122,18 +127,18 @@ def main() -> None:
             extra = f"{'-':>7} {'-':>8} {'-':>8}"
         print(f"{work:8} {c:3d} {name:14} {speed:10.1f} {ratio:6.2f} {extra}")
     if args.png:
-        draw(ratios, levels, args.png)
+        draw(ratios, levels, args.png, works)
 
 
-def draw(ratios: dict, levels: list[int], path: str) -> None:
+def draw(ratios: dict, levels: list[int], path: str, works: tuple[str, ...] = ("quote", "code", "random")) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    works = ("quote", "code", "random")
     methods = [m for m in METHODS if m != "none"]
-    fig, axes = plt.subplots(1, len(works), figsize=(4 * len(works), 3.2), sharey=True)
+    fig, axes = plt.subplots(1, len(works), figsize=(4 * len(works), 3.2), sharey=True, squeeze=False)
+    axes = axes[0]
     width = 0.8 / len(methods)
     for ax, work in zip(axes, works):
         for j, method in enumerate(methods):

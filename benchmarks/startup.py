@@ -11,7 +11,7 @@
 Every step runs in a temporary LADLE_CACHE_DIR (never the user's cache), --repeats times; the
 best run counts for `load` and `serve`, the first for the one-off steps.
 
-Usage: python benchmarks/startup.py [--repeats 3]
+Usage: python benchmarks/startup.py [--repeats 3] [--quick]
 """
 
 from __future__ import annotations
@@ -52,7 +52,10 @@ def serve_until_healthy(env: dict[str, str], log: Path, timeout: float = 300.0) 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="smoke run: every step once")
     args = ap.parse_args()
+    if args.quick:
+        args.repeats = 1
     print(f"CPU: {cpu_name()}, {os.cpu_count()} cores")
     with tempfile.TemporaryDirectory(prefix="ladle-startup-") as cache:
         env = {**os.environ, "LADLE_CACHE_DIR": cache}

@@ -9,7 +9,7 @@
 
 Runs offline on the engine (no HTTP), the embedded model by default.
 
-Usage: python benchmarks/structured.py [--model PATH] [--dtype float32] [--requests 50] [--steps 48]
+Usage: python benchmarks/structured.py [--model PATH] [--dtype float32] [--requests 50] [--steps 48] [--quick]
 """
 
 from __future__ import annotations
@@ -74,11 +74,11 @@ def ms_per_step(llm: LLM, batch: int, steps: int, constrained: bool) -> float:
     return 1e3 * statistics.median(times)
 
 
-def decode_case(llm: LLM, steps: int, repeats: int = 3) -> list[str]:
+def decode_case(llm: LLM, steps: int, repeats: int = 3, batches: tuple[int, ...] = (1, 16)) -> list[str]:
     """Unconstrained and constrained runs alternate; each side keeps its fastest median (the
     machine's noise is larger than the mask's cost at batch 1)."""
     lines = ["| batch | unconstrained ms/step | JSON schema ms/step | ratio |", "| --- | --- | --- | --- |"]
-    for batch in (1, 16):
+    for batch in batches:
         ms_per_step(llm, batch, 4, True)  # warm: compile, first masks
         runs = {False: [], True: []}
         for _ in range(repeats):
@@ -146,10 +146,14 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--requests", type=int, default=50)
     ap.add_argument("--steps", type=int, default=48, help="decode steps timed per case")
+    ap.add_argument("--quick", action="store_true", help="smoke run: batches 1 and 2, 4 steps, one repeat, 2 requests")
     args = ap.parse_args()
+    repeats, batches = (1, (1, 2)) if args.quick else (3, (1, 16))
+    if args.quick:
+        args.requests, args.steps = 2, 4
     llm = LLM(args.model, dtype=args.dtype)
     print(f"{machine()}; model {args.model or 'embedded SmolLM2-135M-Instruct'}; dtype {args.dtype}\n", flush=True)
-    sections = [("Decode step with and without the grammar mask", lambda: decode_case(llm, args.steps)),
+    sections = [("Decode step with and without the grammar mask", lambda: decode_case(llm, args.steps, repeats, batches)),
                 ("Grammar compile time", lambda: compile_case(llm)),
                 (f"Parse failures over {args.requests} seeded requests", lambda: parse_case(llm, args.requests))]
     for title, run in tqdm(sections, desc="cases"):

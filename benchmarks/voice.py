@@ -7,7 +7,7 @@ draft use and cancellation, wasted tokens, and the median ratio eager/wait. Writ
 as a PNG and the bench's result (with the machine) as JSON next to it.
 
 Usage: python benchmarks/voice.py [--repeat 3] [--max-concurrency 4] [--copies 1] [--cancel route] [--script booking]
-                                  [--png docs/voice.png] [--json docs/voice.json] [-- SERVE FLAGS ...]
+                                  [--png docs/voice.png] [--json docs/voice.json] [--quick] [-- SERVE FLAGS ...]
 """
 
 from __future__ import annotations
@@ -26,6 +26,13 @@ from common import cpu_name, free_port, machine, running_server  # noqa: E402
 from ladle.bench.voice_report import format_voice_table, plot_voice  # noqa: E402
 
 LADLE = str(Path(sys.executable).with_name("ladle"))  # the venv's console script
+# --quick: one caller, one turn of about a second with an eager draft the caller resumes past
+QUICK_SCRIPT = {"conversation": "quick", "turn": 0, "system": "You are a helpful assistant on a phone line.",
+                "events": [{"at": 0.05, "type": "partial", "text": "Can I book"},
+                           {"at": 0.2, "type": "eager", "text": "Can I book"}, {"at": 0.4, "type": "resumed"},
+                           {"at": 0.6, "type": "partial", "text": "Can I book a table"},
+                           {"at": 0.8, "type": "eager", "text": "Can I book a table"},
+                           {"at": 1.0, "type": "end", "text": "Can I book a table?"}]}
 
 
 def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -44,10 +51,21 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--no-server-timings", action="store_true", help="for a server without include_timings")
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for /health")
-    p.add_argument("--png", default="docs/voice.png")
+    p.add_argument("--png", default=None, help="default: docs/voice.png (--quick: a temporary folder)")
     p.add_argument("--json", default=None, help="default: the PNG's path with .json")
     p.add_argument("--replot", default=None, metavar="JSON", help="only redraw the PNG from a saved JSON")
-    return p.parse_args(argv), serve_flags
+    p.add_argument("--quick", action="store_true",
+                   help="smoke run: one one-turn script, one replay per mode, 16 tokens; no files under docs/")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.repeat, args.max_tokens = 1, 16
+        quick = Path(tempfile.mkdtemp(prefix="ladle-voice-quick-"))
+        if args.script is None:
+            (quick / "quick.jsonl").write_text(json.dumps(QUICK_SCRIPT) + "\n")
+            args.script = [str(quick / "quick.jsonl")]
+        args.png = args.png or str(quick / "voice.png")
+    args.png = args.png or "docs/voice.png"
+    return args, serve_flags
 
 
 def bench(args: argparse.Namespace, serve_flags: list[str], work: Path) -> tuple[dict, int, list[str]]:
