@@ -10,6 +10,7 @@ from ladle.config import EngineConfig
 from ladle.engine.engine import LLMEngine
 from ladle.engine.request import RequestTimings, StepOutput, TokenLogprob
 from ladle.engine.sampling_params import SamplingParams
+from ladle.engine.stop import keep_stop_strings
 
 Prompt = str | list[int]
 Messages = list[dict[str, Any]]
@@ -81,13 +82,19 @@ class LLM:
         params_list = params if isinstance(params, Sequence) else [params or SamplingParams()] * len(prompts)
         loras = lora_request if isinstance(lora_request, Sequence) else [lora_request] * len(prompts)
         results: dict[str, GenerationResult] = {}
+        keeps_stop_strings: set[str] = set()
         for prompt, p, lora in zip(prompts, params_list, loras, strict=True):
             rid = str(next(self._ids))
+            p.update_from_tokenizer(self.tokenizer, self.engine.model_config.vocab_size)
             ids = self.engine.add_request(rid, prompt, p, lora=self._adapter_name(lora))
             results[rid] = GenerationResult(rid, ids, [Completion(i) for i in range(p.n)])
+            if p.include_stop_str_in_output:
+                keeps_stop_strings.add(rid)
         bar = _progress(len(results)) if use_tqdm else None
         while self.engine.has_unfinished_requests():
             for out in self.engine.step():
+                if out.request_id in keeps_stop_strings:
+                    keep_stop_strings(out)
                 results[out.request_id].absorb(out)
                 if out.finished and bar is not None:
                     bar.update(1)

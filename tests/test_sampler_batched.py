@@ -32,12 +32,18 @@ P_MIN = 1e-4  # chi-square p-value floor: a correct sampler fails it once in 10,
 
 def reference_logits(z: torch.Tensor, params: SamplingParams, output: list[int],
                      allowed: list[int] | None = None) -> torch.Tensor:
-    """vLLM's penalties in float64, after the grammar mask: min_tokens bans the stop tokens and EOS;
-    a token seen in the prompt or output is divided by repetition_penalty if positive, multiplied
-    if not; a token generated c times loses c * frequency_penalty, and presence_penalty once. A
-    constrained row the bans leave with nothing goes unpenalised."""
+    """vLLM's sampler in float64, after the grammar mask: only allowed_token_ids stay; a bad word's
+    last token is banned where the output ends with the rest of the word; min_tokens bans the stop
+    tokens and EOS; a token seen in the prompt or output is divided by repetition_penalty if
+    positive, multiplied if not; a token generated c times loses c * frequency_penalty, and
+    presence_penalty once. A constrained row the bans leave with nothing goes unpenalised."""
     masked = [float(v) if allowed is None or t in allowed else -math.inf for t, v in enumerate(z.tolist())]
     x = list(masked)
+    if params.allowed_token_ids is not None:
+        x = [v if t in params.allowed_token_ids else -math.inf for t, v in enumerate(x)]
+    for word in params.bad_words_token_ids or []:
+        if len(word) - 1 <= len(output) and (len(word) == 1 or output[-(len(word) - 1):] == word[:-1]):
+            x[word[-1]] = -math.inf
     if len(output) < params.min_tokens:
         for t in params.stop_token_ids + ([] if params.ignore_eos else [EOS]):
             x[t] = -math.inf
@@ -129,12 +135,19 @@ MIXED = [
     Row(SP(temperature=0.0, top_p=0.5, seed=16)),
     Row(SP(temperature=0.7, top_k=4, top_p=0.9, min_p=0.05, presence_penalty=-1.0, seed=17, logprobs=0),
         output=[8, 8, 8]),
+    Row(SP(temperature=0.0, allowed_token_ids=[5, 17, 33, 38], repetition_penalty=1.4, logprobs=2), output=[17]),
+    Row(SP(seed=18, allowed_token_ids=[2, 9, 21, 30], logprobs=1), output=[9]),
+    # bans 11 anywhere and 13 after 7 (the output's end), not 14 (after 8): the three lead the logits
+    Row(SP(temperature=0.0, bad_words_token_ids=[[11], [7, 13], [8, 14]], logprobs=1), output=[2, 7]),
 ]
+BAD_WORDS_ROW = 14
 
 
 def mixed_logits() -> torch.Tensor:
     z = torch.randn(len(MIXED), V, generator=torch.Generator().manual_seed(0), dtype=torch.float64) * 2
     z[6, STOP], z[6, EOS] = z[6].max() + 2, z[6].max() + 1
+    top = z[BAD_WORDS_ROW].max()
+    z[BAD_WORDS_ROW, 11], z[BAD_WORDS_ROW, 13], z[BAD_WORDS_ROW, 14] = top + 3, top + 2, top + 1
     return z.float()
 
 
@@ -176,6 +189,7 @@ def test_a_mixed_batch_follows_the_reference() -> None:
         assert [t for t, _ in lp.top] == top.indices.tolist()
         assert [v for _, v in lp.top] == pytest.approx(top.values.tolist(), abs=1e-5)
     assert sample(MIXED, z)[0][6][0] not in (STOP, EOS) and sample(MIXED, z)[0][9][0] == EOS
+    assert sample(MIXED, z)[0][BAD_WORDS_ROW][0] == 14
 
 
 def test_greedy_is_the_argmax_of_the_penalised_logits() -> None:

@@ -21,6 +21,7 @@ from ladle.engine.engine import LLMEngine
 from ladle.engine.kv_offload import OffloadStats
 from ladle.engine.request import Sequence, StepOutput
 from ladle.engine.sampling_params import SamplingParams
+from ladle.engine.stop import keep_stop_strings
 from ladle.engine.threads import claim_compute, release_openmp_team
 from ladle.lora.adapter import AdapterRef
 from ladle.spec_decode.stats import SpecDecodeStats
@@ -87,10 +88,12 @@ class RequestStream:
     Leaving early is the caller's to signal with `abort()` (`AsyncEngine.generate` does it).
     """
 
-    def __init__(self, request_id: str, engine: "AsyncEngine", loop: asyncio.AbstractEventLoop):
+    def __init__(self, request_id: str, engine: "AsyncEngine", loop: asyncio.AbstractEventLoop,
+                 keeps_stop_strings: bool = False):
         self.request_id = request_id
         self.prompt_token_ids: list[int] = []
         self.finished = False
+        self.keeps_stop_strings = keeps_stop_strings  # include_stop_str_in_output
         self._engine = engine
         self._loop = loop
         self._queue: asyncio.Queue[StepOutput | BaseException] = asyncio.Queue()
@@ -110,7 +113,7 @@ class RequestStream:
             self.finished = True
             raise item
         self.finished = item.finished
-        return item
+        return keep_stop_strings(item) if self.keeps_stop_strings else item
 
     def abort(self) -> None:
         """Drop the request in the engine unless it already finished; idempotent."""
@@ -235,7 +238,7 @@ class AsyncEngine:
         if params.structured_outputs is not None:  # compiled here, so the engine thread meets a cache hit
             await asyncio.to_thread(self.engine.grammars.compile, params.structured_outputs)
         loop = asyncio.get_running_loop()
-        stream = RequestStream(request_id, self, loop)
+        stream = RequestStream(request_id, self, loop, params.include_stop_str_in_output)
         accepted = loop.create_future()
         self._submit(_Add(request_id, prompt, params, priority, stream, accepted, time.time(), lora))
         try:

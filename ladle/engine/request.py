@@ -29,6 +29,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]  # the k most likely tokens at this position, best first
+    rank: int | None = None  # prompt logprobs: how many tokens are at least as likely (vLLM's rank), itself included
 
 
 @dataclass

@@ -1,9 +1,11 @@
-"""Turns next-token logits into tokens: penalties, temperature, min-p, top-k/top-p, seeds.
+"""Turns next-token logits into tokens: allowed tokens, bad words, penalties, temperature, min-p,
+top-k/top-p, seeds.
 
 A seeded request draws from its own generator, so its tokens do not depend on what
-else shares the batch. Logprobs are those of the model distribution before penalties and
-sampling settings, as in vLLM; a constrained row's are after its grammar mask (vLLM V1
-masks before its sampler too), so they are renormalised over what the grammar allows.
+else shares the batch. Logprobs are those of the model distribution before allowed_token_ids,
+bad words, penalties and sampling settings, as in vLLM (its default raw_logprobs); a constrained
+row's are after its grammar mask (vLLM V1 masks before its sampler too), so they are renormalised
+over what the grammar allows.
 A token the engine forces (a think block closed on budget) is emitted as it is, with the
 model's logprob for it.
 
@@ -33,7 +35,9 @@ def top_logprobs(logprobs: torch.Tensor, k: int) -> list[tuple[int, float]]:
 
 
 def token_logprob(logprobs: torch.Tensor, token_id: int, k: int) -> TokenLogprob:
-    return TokenLogprob(token_id, float(logprobs[token_id]), top_logprobs(logprobs, k))
+    """A prompt token's logprob, the k most likely tokens, and its rank (tokens at least as likely)."""
+    value = logprobs[token_id]
+    return TokenLogprob(token_id, float(value), top_logprobs(logprobs, k), rank=int((logprobs >= value).sum()))
 
 
 def _upload(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -56,7 +60,9 @@ class BatchSettings:
     greedy: torch.Tensor
     forced: torch.Tensor  # the forced token, -1: none
     constrained: torch.Tensor  # has a grammar
-    banned: torch.Tensor  # min_tokens not reached: stop tokens and EOS
+    restricted: torch.Tensor  # has allowed_token_ids ...
+    allowed: torch.Tensor  # ... which are these
+    banned: torch.Tensor  # bad words' last tokens; and before min_tokens, stop tokens and EOS
     seen: torch.Tensor  # prompt and output tokens (repetition penalty), each once
     generated: torch.Tensor  # output tokens (presence and frequency penalties), each once ...
     counts: torch.Tensor  # ... with how often it was generated
@@ -77,18 +83,30 @@ class BatchSettings:
         top_k = [p.top_k if 0 < p.top_k < vocab else 0 for p in ps]
         forced = [-1 if s.forced_token is None else s.forced_token for s in seqs]
         ints = [top_k, [p.greedy for p in ps], forced, [s.grammar is not None for s in seqs],
+                [p.allowed_token_ids is not None for p in ps], _allowed_tokens(seqs, vocab),
                 *_penalised_tokens(seqs, vocab)]
         uploaded = _upload([v for column in ints for v in column], torch.int64, device)
-        top_k_t, greedy, forced_t, constrained, *penalised = uploaded.split([len(c) for c in ints])
+        top_k_t, greedy, forced_t, constrained, restricted, *masked = uploaded.split([len(c) for c in ints])
         return cls(*_upload(floats, torch.float32, device), top_k_t, greedy.bool(), forced_t, constrained.bool(),
-                   *penalised, seeded=[i for i, s in enumerate(seqs) if sampled[i] and s.generator is not None],
+                   restricted.bool(), *masked,
+                   seeded=[i for i, s in enumerate(seqs) if sampled[i] and s.generator is not None],
                    unseeded=any(sampled[i] and s.generator is None for i, s in enumerate(seqs)),
                    any_constrained=any(s.grammar is not None for s in seqs), any_min_p=any(p.min_p > 0.0 for p in ps), max_top_k=max(top_k),
                    any_top_p=any(p.top_p < 1.0 for p in ps))
 
     @property
     def penalised(self) -> bool:
-        return bool(self.banned.numel() or self.seen.numel() or self.generated.numel())
+        return bool(self.allowed.numel() or self.banned.numel() or self.seen.numel() or self.generated.numel())
+
+
+def _allowed_tokens(seqs: list[Sequence], vocab: int) -> list[int]:
+    """Flat indices of the tokens restricted rows may sample (the entry points check the ids)."""
+    return [row * vocab + t for row, seq in enumerate(seqs) for t in seq.params.allowed_token_ids or ()]
+
+
+def bad_word_bans(bad_words: list[list[int]], output: list[int]) -> list[int]:
+    """vLLM's rule: a bad word's last token is banned where the output ends with the rest of the word."""
+    return [w[-1] for w in bad_words if len(w) - 1 <= len(output) and output[len(output) - len(w) + 1 :] == w[:-1]]
 
 
 def _penalised_tokens(seqs: list[Sequence], vocab: int) -> list[list[int]]:
@@ -96,6 +114,8 @@ def _penalised_tokens(seqs: list[Sequence], vocab: int) -> list[list[int]]:
     banned, seen, generated, counts = [], [], [], []
     for row, seq in enumerate(seqs):
         p, base = seq.params, row * vocab
+        if p.bad_words_token_ids:
+            banned += [base + t for t in bad_word_bans(p.bad_words_token_ids, seq.output_token_ids)]
         if seq.num_output_tokens < p.min_tokens:
             eos = [] if p.ignore_eos else list(seq.eos_token_ids)
             banned += [base + t for t in p.stop_token_ids + eos]
@@ -109,11 +129,15 @@ def _penalised_tokens(seqs: list[Sequence], vocab: int) -> list[list[int]]:
 
 
 def penalise(logits: torch.Tensor, s: BatchSettings) -> torch.Tensor:
-    """min_tokens bans, then repetition (x/r where x > 0, else x*r), then presence and frequency."""
+    """vLLM's order: allowed_token_ids, bans (bad words, min_tokens), then repetition (x/r where
+    x > 0, else x*r), then presence and frequency."""
     if not s.penalised:
         return logits
     x = logits.clone()
     flat, vocab = x.view(-1), x.shape[-1]
+    if s.allowed.numel():
+        keep = torch.zeros_like(flat, dtype=torch.bool).index_fill_(0, s.allowed, True).view_as(x)
+        x.masked_fill_(~(keep | ~s.restricted[:, None]), NEG_INF)
     flat.index_fill_(0, s.banned, NEG_INF)
     if s.seen.numel():
         r, seen = s.repetition[s.seen // vocab], flat[s.seen]
@@ -123,7 +147,7 @@ def penalise(logits: torch.Tensor, s: BatchSettings) -> torch.Tensor:
         flat[s.generated] -= s.frequency[row] * s.counts.float() + s.presence[row]
     if not s.any_constrained:
         return x
-    # min_tokens may ban the only tokens a grammar allows (its end): such a row goes unpenalised
+    # the bans may leave none of the tokens a grammar allows (min_tokens, its end): such a row goes unpenalised
     dead = s.constrained & torch.isneginf(x).all(-1)
     return torch.where(dead[:, None], logits, x)
 

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from ladle.errors import InvalidRequestError
 from ladle.structured.spec import StructuredOutputsParams
@@ -14,6 +13,10 @@ if TYPE_CHECKING:
 
 _GREEDY_EPS = 1e-5
 POOLINGS = ("last", "mean")
+
+
+class Encoder(Protocol):
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]: ...
 
 
 @dataclass
@@ -32,9 +35,17 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    include_stop_str_in_output: bool = False  # keep the stop string that ended the text (ladle.engine.stop)
     logprobs: int | None = None  # top alternatives to return per sampled token
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    # Sampling draws only from these tokens (None: all); logprobs stay the model's, unrestricted.
+    allowed_token_ids: list[int] | None = None
+    # Words never generated: the last token of a word's token sequence is banned where the output
+    # ends with the rest of it. update_from_tokenizer turns the words into bad_words_token_ids (the
+    # server and LLM call it; a caller of LLMEngine.add_request must too).
+    bad_words: list[str] = field(default_factory=list)
+    bad_words_token_ids: list[list[int]] | None = None
     # Prefill-only scoring (decisions, /v1/score): when set, nothing is sampled; the
     # request returns these tokens' full-vocabulary log-probabilities at the position
     # after the prompt, and finishes.
@@ -76,11 +87,18 @@ class SamplingParams:
             (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]"),
             (self.max_tokens is None or self.max_tokens >= 1, "max_tokens", "must be at least 1"),
             (self.min_tokens >= 0, "min_tokens", "must be non-negative"),
+            # vLLM looks for stop strings only after min_tokens tokens; ladle's stop strings end the text at once
+            (not (self.min_tokens and self.stop), "min_tokens", "cannot be combined with stop strings"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "must be in [0, 20]"),
             (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20, "prompt_logprobs", "must be in [0, 20]"),
             (all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings"),
             (all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
              "must be non-negative token ids"),
+            (self.allowed_token_ids is None or len(self.allowed_token_ids) > 0, "allowed_token_ids",
+             "must not be empty"),
+            (all(isinstance(t, int) and t >= 0 for t in self.allowed_token_ids or ()), "allowed_token_ids",
+             "must be non-negative token ids"),
+            (all(isinstance(w, str) and w.strip() for w in self.bad_words), "bad_words", "must be non-blank strings"),
             (self.label_token_ids is None or len(self.label_token_ids) > 0, "label_token_ids", "must not be empty"),
             (self.hidden_state_layers is None or len(self.hidden_state_layers) > 0, "hidden_state_layers",
              "must not be empty"),
@@ -100,6 +118,24 @@ class SamplingParams:
         for ok, name, why in checks:
             if not ok:
                 raise InvalidRequestError(f"{name} {why}", param=name)
+
+    def update_from_tokenizer(self, tokenizer: Encoder, vocab_size: int) -> None:
+        """Check the token ids against the model's vocabulary and tokenize bad_words, as vLLM does:
+        each word alone and after a space (a word starting the text, and one inside it), the second
+        only where the space makes a new first token and the same number of tokens. A sequence with
+        a token outside the vocabulary can never be generated: it needs no ban."""
+        if any(t >= vocab_size for t in self.allowed_token_ids or ()):
+            raise InvalidRequestError(f"allowed_token_ids must be in [0, {vocab_size})", param="allowed_token_ids")
+        sequences: list[list[int]] = []
+        for word in self.bad_words:
+            alone = tokenizer.encode(word.lstrip())
+            if not alone:
+                raise InvalidRequestError(f"bad_words: {word!r} tokenizes to no token", param="bad_words")
+            spaced = tokenizer.encode(" " + word.lstrip())
+            sequences.append(alone)
+            if spaced and spaced[0] != alone[0] and len(spaced) == len(alone):
+                sequences.append(spaced)
+        self.bad_words_token_ids = [s for s in sequences if max(s) < vocab_size]
 
     @property
     def is_scoring(self) -> bool:

@@ -6,7 +6,10 @@ streamed client never sees stop text that a later token completes.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from ladle.engine.request import StepOutput
 
 
 class Detokenizer(Protocol):
@@ -43,3 +46,12 @@ class OutputTextTracker:
         out = self.text[self.released : end]
         self.released = end
         return out
+
+
+def keep_stop_strings(out: StepOutput) -> StepOutput:
+    """include_stop_str_in_output: the tracker cut the text right before the stop string it matched;
+    vLLM cuts right after it instead, so each text that a stop string ended gets it back."""
+    for delta in out.deltas:
+        if delta.finish_reason == "stop" and isinstance(delta.stop_reason, str):
+            delta.text += delta.stop_reason
+    return out

@@ -113,7 +113,21 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = False, keep_last: int | None = None) -> list[int]:
+        """keep_last: at most that many tokens, the text's last ones; the special tokens added around
+        the text are kept and count among them (transformers' truncation, truncation_side="left")."""
+        ids = self._encode(text, add_special_tokens)
+        if keep_last is None or len(ids) <= keep_last:
+            return ids
+        if not add_special_tokens:
+            return ids[len(ids) - keep_last :]
+        content = self._encode(text, False)
+        start = next(i for i in range(len(ids) - len(content) + 1) if ids[i : i + len(content)] == content)
+        head, tail = ids[:start], ids[start + len(content) :]
+        room = max(keep_last - len(head) - len(tail), 0)
+        return head + content[len(content) - room :] + tail
+
+    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
         ids = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
         if add_special_tokens and self.add_bos_token and self.bos_token_id is not None and ids[:1] != [self.bos_token_id]:
             ids.insert(0, self.bos_token_id)

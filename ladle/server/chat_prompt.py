@@ -18,6 +18,7 @@ from ladle.tools import prompt as tool_prompt
 
 ROLES = ("system", "user", "assistant", "developer", "tool")
 _RESERVED = {"messages", "add_generation_prompt"}
+REPLY_ONLY = ("refusal", "annotations", "audio", "function_call")  # message fields a reply echoed back carries
 
 
 def chat_prompt(tokenizer: Tokenizer, messages: list[ChatMessage], add_generation_prompt: bool = True,
@@ -71,6 +72,13 @@ def _message_dict(i: int, m: ChatMessage) -> dict[str, Any]:
         msg["tool_calls"] = [c.model_dump(exclude_none=True) for c in m.tool_calls]
     if m.tool_call_id:
         msg["tool_call_id"] = m.tool_call_id
+    reasoning = m.reasoning_content if m.reasoning_content is not None else m.reasoning
+    if reasoning is not None:
+        msg["reasoning_content"] = reasoning  # the name templates read (Qwen3's, DeepSeek's)
+    for name in REPLY_ONLY:
+        if getattr(m, name):
+            raise InvalidRequestError(f"messages[{i}].{name} is not supported: send it as null, or leave it out",
+                                      param=f"messages[{i}].{name}")
     return msg
 
 

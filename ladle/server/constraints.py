@@ -4,7 +4,9 @@ Structured outputs come as OpenAI's `response_format`, vLLM's `structured_output
 vLLM's older `guided_json`/`guided_regex`/`guided_choice`/`guided_grammar`; at most one of them
 per request. Tools come as `tools` + `tool_choice` (+ `parallel_tool_calls`): "required" and a
 named function become a grammar (so the arguments always parse); "auto" parses what the model
-writes with the server's --tool-call-parser; "none" only shows the tools to the model.
+writes with the server's --tool-call-parser; "none" only shows the tools to the model. A tool's
+`strict: false` makes its grammar read the parameters schema as JSON Schema does (properties it
+does not name are allowed); strict true or unset forbids them, as OpenAI's strict mode.
 """
 
 from __future__ import annotations
@@ -108,14 +110,16 @@ class ToolPlan:
     parser_name: str | None = None  # auto: the server's --tool-call-parser
     function: str | None = None  # named: the function
     parallel: bool = True
+    strict: bool = True  # the grammar's strictness (named, required): no tool it covers says strict false
 
     @property
     def grammar(self) -> StructuredOutputsParams | None:
         if self.mode == "named":
             tool = next(t for t in self.tools if function_of(t)["name"] == self.function)
-            return StructuredOutputsParams(json=named_schema(tool), field="tool_choice")
+            return StructuredOutputsParams(json=named_schema(tool), strict=self.strict, field="tool_choice")
         if self.mode == "required":
-            return StructuredOutputsParams(json=required_schema(self.tools, self.parallel), field="tools")
+            return StructuredOutputsParams(json=required_schema(self.tools, self.parallel), strict=self.strict,
+                                           field="tools")
         return None
 
     def new_parser(self) -> ToolParser | None:
@@ -147,11 +151,23 @@ def tool_plan_of(req: Any, auto_parser: str | None) -> ToolPlan | None:
         if choice.function.name not in names:
             raise InvalidRequestError(f"tool_choice names {choice.function.name!r}, which is not among the tools "
                                       f"({', '.join(names)})", param="tool_choice")
-        return ToolPlan("named", tools, function=choice.function.name, parallel=parallel)
+        strict = req.tools[names.index(choice.function.name)].function.strict is not False
+        return ToolPlan("named", tools, function=choice.function.name, parallel=parallel, strict=strict)
     if choice == "auto" and auto_parser is None:
         raise InvalidRequestError('"auto" tool choice needs the server started with --enable-auto-tool-choice '
                                   "and --tool-call-parser", param="tool_choice")
     if choice not in ("none", "auto", "required"):
         raise InvalidRequestError("tool_choice must be none, auto, required or {\"type\": \"function\", "
                                   "\"function\": {\"name\": ...}}", param="tool_choice")
-    return ToolPlan(choice, tools, parser_name=auto_parser if choice == "auto" else None, parallel=parallel)
+    return ToolPlan(choice, tools, parser_name=auto_parser if choice == "auto" else None, parallel=parallel,
+                    strict=_strictness(req.tools) if choice == "required" else True)
+
+
+def _strictness(tools: list[ToolDefinition]) -> bool:
+    """One grammar covers every tool under "required": strict unless a tool says strict false, and
+    refused when others say strict true."""
+    said = [t.function.strict for t in tools]
+    if True in said and False in said:
+        raise InvalidRequestError('tool_choice "required" takes tools that are all strict or all not',
+                                  param=f"tools[{said.index(False)}].function.strict")
+    return False not in said

@@ -1,4 +1,5 @@
-"""Engine logprobs in OpenAI's two shapes: chat (`content` list) and legacy completions."""
+"""Engine logprobs in OpenAI's two shapes, chat (`content` list) and legacy completions, and prompt
+logprobs in vLLM's."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ from functools import lru_cache
 
 from ladle.engine.request import TokenLogprob
 from ladle.model.tokenizer import Tokenizer
-from ladle.server.protocol import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
+from ladle.server.protocol import (
+    ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, PromptLogprob, PromptLogprobs, TopLogprob,
+)
 
 _SP_BYTE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 
@@ -83,6 +86,25 @@ class CompletionLogprobsBuilder:
             top.setdefault(text, _finite(lp.logprob))  # vLLM includes the chosen token
             out.top_logprobs.append(top)
         return out
+
+
+def prompt_logprobs_of(names: TokenNames, logprobs: list[TokenLogprob | None]) -> PromptLogprobs:
+    """vLLM's prompt_logprobs: per prompt token, its own entry first (with its rank), then the most
+    likely tokens ranked 1, 2, ...; an entry met twice keeps its place and takes the later rank, as
+    vLLM's dict does."""
+    def entry(token_id: int, lp: float, rank: int | None) -> PromptLogprob:
+        return PromptLogprob(logprob=_finite(lp), rank=rank, decoded_token=names.text(token_id))
+
+    out: PromptLogprobs = []
+    for lp in logprobs:
+        if lp is None:
+            out.append(None)
+            continue
+        entries = {str(lp.token_id): entry(lp.token_id, lp.logprob, lp.rank)}
+        for rank, (token_id, value) in enumerate(lp.top, 1):
+            entries[str(token_id)] = entry(token_id, value, rank)
+        out.append(entries)
+    return out
 
 
 def _finite(x: float) -> float:

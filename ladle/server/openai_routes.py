@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TypeVar
 
 from fastapi import APIRouter, Request
@@ -13,7 +13,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ValidationError
 
 from ladle.engine.async_engine import RequestStream
-from ladle.engine.request import RequestTimings
+from ladle.engine.request import RequestTimings, TokenLogprob
 from ladle.engine.sampling_params import SamplingParams
 from ladle.errors import InvalidRequestError
 from ladle.server.chat_prompt import chat_prompt
@@ -24,13 +24,13 @@ from ladle.server.context import ServerContext, get_context
 from ladle.server.errors import validation_error
 from ladle.server.kv_handover import reply_params, with_kv_transfer
 from ladle.server.live import Tracked
-from ladle.server.logprobs import CompletionLogprobsBuilder, chat_logprobs
+from ladle.server.logprobs import CompletionLogprobsBuilder, chat_logprobs, prompt_logprobs_of
 from ladle.server.middleware import RequestRecord, request_record
 from ladle.server.openapi import schemas
 from ladle.server.protocol import (
     ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
     ChatCompletionResponse, CompletionChoice, CompletionRequest, CompletionResponse, DeltaMessage, Timings, Usage,
-    random_id,
+    random_id, unrecognized,
 )
 from ladle.server.streaming import (
     DONE, ClientDisconnected, abort_all, collect, merge, sse_error, sse_event, sse_response, unless_disconnected,
@@ -52,11 +52,15 @@ COMPLETION_EXAMPLES = {
 
 
 async def parse_body(request: Request, model: type[M]) -> M:
-    """Validate the JSON body ourselves, so every problem is a 400 naming the field (never a 422)."""
+    """Validate the JSON body ourselves, so every problem is a 400 naming the field (never a 422);
+    a field the model does not declare gets OpenAI's answer."""
     try:
         return model.model_validate_json(await request.body())
     except ValidationError as e:
-        raise validation_error(e.errors()) from None
+        error = validation_error(e.errors())
+        if e.errors()[0]["type"] == "extra_forbidden" and error.param:
+            raise unrecognized(error.param) from None
+        raise error from None
 
 
 def json_response(body: BaseModel) -> Response:
@@ -99,6 +103,7 @@ def _sampling_params(ctx: ServerContext, req: ChatCompletionRequest | Completion
     vocab = ctx.engine.vocab_size
     if any(not 0 <= t < vocab for t in params.stop_token_ids):
         raise InvalidRequestError(f"stop_token_ids must be in [0, {vocab})", param="stop_token_ids")
+    params.update_from_tokenizer(ctx.engine.tokenizer, vocab)
     return params
 
 
@@ -128,13 +133,15 @@ def prepare_chat(ctx: ServerContext, req: ChatCompletionRequest) -> ChatInputs:
     model = ctx.check_model(req.model)
     req.check_supported()
     ctx.check_logprobs(req.top_logprobs, "top_logprobs")
+    ctx.check_logprobs(req.prompt_logprobs, "prompt_logprobs")
     tools = tool_plan_of(req, ctx.tool_call_parser)
     params = _sampling_params(ctx, req, tools)
     prompt = chat_prompt(ctx.chat_tokenizer, req.messages, req.add_generation_prompt,
                          req.continue_final_message, req.chat_template_kwargs, tools.tools if tools else None)
     tags = ctx.reasoning_tags
     thinking = None if tags is None else Thinking(tags, prompt_opens_reasoning(prompt, tags))
-    return ChatInputs(ctx.engine.tokenizer.encode(prompt), params, tools, model.lora, thinking)
+    ids = ctx.engine.tokenizer.encode(prompt, keep_last=req.prompt_room(ctx.engine.max_model_len))
+    return ChatInputs(ids, params, tools, model.lora, thinking)
 
 
 async def submit_chat(ctx: ServerContext, request: Request, request_id: str, req: ChatCompletionRequest,
@@ -176,9 +183,11 @@ async def chat_completions(request: Request) -> Response:
     usage = Usage.of(len(ids), completion_tokens, cached, reasoning)
     timings = Timings.of([result.timings], len(ids), cached, completion_tokens) \
         if req.include_timings and result.timings else None
+    prompt_lps = None if req.prompt_logprobs is None else \
+        prompt_logprobs_of(ctx.names, _prompt_logprobs(result.prompt_logprobs, len(ids), req.prompt_logprobs))
     body = ChatCompletionResponse(id=request_id, model=req.model or ctx.model_name, choices=choices, usage=usage,
-                                  timings=timings, kv_transfer_params=reply_params(ctx, req.kv_transfer_params,
-                                                                                   stream.request_id))
+                                  prompt_logprobs=prompt_lps, timings=timings,
+                                  kv_transfer_params=reply_params(ctx, req.kv_transfer_params, stream.request_id))
     return json_response(body)
 
 
@@ -247,11 +256,13 @@ async def completions(request: Request) -> Response:
     model = ctx.check_model(req.model)
     req.check_supported()
     ctx.check_logprobs(req.logprobs, "logprobs")
+    ctx.check_logprobs(req.prompt_logprobs, "prompt_logprobs")
     prompts = req.prompts()
     params = await with_kv_transfer(ctx, req.kv_transfer_params, _sampling_params(ctx, req), req.stream, len(prompts))
     tok = ctx.engine.tokenizer
-    prompt_ids = [tok.encode(p, add_special_tokens=req.add_special_tokens) if isinstance(p, str) else list(p)
-                  for p in prompts]
+    keep = req.prompt_room(ctx.engine.max_model_len)
+    prompt_ids = [tok.encode(p, add_special_tokens=req.add_special_tokens, keep_last=keep) if isinstance(p, str)
+                  else list(p) if keep is None else list(p[-keep:]) for p in prompts]
     request_id = _response_id("cmpl", req)
     streams: list[RequestStream] = []
     try:
@@ -264,9 +275,9 @@ async def completions(request: Request) -> Response:
         raise
     record = request_record(request)
     record.request_id, record.prompt_tokens = request_id, sum(len(ids) for ids in prompt_ids)
-    # only now are token id prompts known to be valid
-    prompt_texts = [p if isinstance(p, str) else tok.decode(p, skip_special_tokens=False) if req.echo else ""
-                    for p in prompts]
+    # only now are token id prompts known to be valid; a truncated prompt is echoed as the model saw it
+    prompt_texts = [p if isinstance(p, str) and keep is None else tok.decode(ids, skip_special_tokens=False)
+                    if req.echo else "" for p, ids in zip(prompts, prompt_ids)]
     tracked = ctx.live.add([request_id, req.request_id], [s.request_id for s in streams])
     if req.stream:
         return sse_response(_completion_events(ctx, req, request_id, streams, prompt_texts, record, tracked))
@@ -286,11 +297,14 @@ async def completions(request: Request) -> Response:
             if req.echo:
                 text = prompt_texts[i] + text
                 token_ids = result.prompt_token_ids + token_ids
-                lps = _prompt_logprobs(result.prompt_logprobs, len(result.prompt_token_ids)) + lps
+                lps = _prompt_logprobs(result.prompt_logprobs, len(result.prompt_token_ids), req.logprobs) + lps
             if req.logprobs is not None:
                 logprobs = CompletionLogprobsBuilder(ctx.names).build(token_ids, lps)
+            prompt_lps = None if req.prompt_logprobs is None else prompt_logprobs_of(ctx.names, _prompt_logprobs(
+                result.prompt_logprobs, len(result.prompt_token_ids), req.prompt_logprobs))
             choices.append(CompletionChoice(index=i * req.n + c.index, text=text, logprobs=logprobs,
-                                            finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+                                            finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                                            prompt_logprobs=prompt_lps))
     record.output_tokens = completion_tokens
     usage = Usage.of(sum(len(ids) for ids in prompt_ids), completion_tokens, cached)
     timings = Timings.of([r.timings for r, _ in results if r.timings], usage.prompt_tokens, cached,
@@ -314,8 +328,11 @@ def _running_usage(prompt_tokens: int, completion_tokens: int) -> Usage:
                  total_tokens=prompt_tokens + completion_tokens)
 
 
-def _prompt_logprobs(lps: list | None, num_prompt_tokens: int) -> list:
-    lps = list(lps or [])
+def _prompt_logprobs(lps: list[TokenLogprob | None] | None, num_prompt_tokens: int,
+                     k: int | None) -> list[TokenLogprob | None]:
+    """One entry per prompt token (None where nothing was computed), each with its k most likely tokens
+    (the engine computed as many as the larger of logprobs and prompt_logprobs asked)."""
+    lps = [lp if lp is None else replace(lp, top=lp.top[: k or 0]) for lp in lps or []]
     return lps + [None] * (num_prompt_tokens - len(lps))
 
 
@@ -346,7 +363,7 @@ async def _completion_events(ctx: ServerContext, req: CompletionRequest, request
                         prompt = streams[i].prompt_token_ids
                         text = prompt_texts[i] + text
                         token_ids = prompt + token_ids
-                        lps = _prompt_logprobs(prompt_lps.get(i), len(prompt)) + lps
+                        lps = _prompt_logprobs(prompt_lps.get(i), len(prompt), req.logprobs) + lps
                 if not (text or d.finish_reason or (req.logprobs is not None and token_ids)):
                     continue
                 logprobs = builders[index].build(token_ids, lps) if req.logprobs is not None else None

@@ -1,7 +1,9 @@
 """Request and response bodies of the OpenAI API, with vLLM's extra fields.
 
-Unknown request fields are ignored (clients send many we do not need); fields that
-would change the result and that we cannot honour are rejected with a 400 naming them.
+Every request field either changes the result, or is metadata that changes nothing
+(METADATA_FIELDS), or is accepted only at the value that changes nothing (NO_EFFECT_FIELDS:
+any other value is refused with a 400 naming it). A field no model declares is refused
+with a 400 naming it, as OpenAI answers ("Unrecognized request argument supplied").
 """
 
 from __future__ import annotations
@@ -20,6 +22,16 @@ from ladle.server.constraints import (
     NamedToolChoice, ResponseFormat, StructuredOutputsField, ToolDefinition, structured_outputs_of,
 )
 
+# Accepted and changing nothing: what clients say about a request (who sent it, how OpenAI should
+# store, bill or cache it, a predicted output that only makes OpenAI faster, padding against side
+# channels in OpenAI's stream events), never about its result.
+METADATA_FIELDS = frozenset({"user", "store", "service_tier", "metadata", "safety_identifier", "prompt_cache_key",
+                             "prompt_cache_retention", "prediction", "include_obfuscation"})
+# Accepted only at their no-effect value (in brackets), refused naming them otherwise: logit_bias ({}),
+# suffix (""), best_of (n), use_beam_search (false), spaces_between_special_tokens (true, or any value
+# while special tokens are skipped), guided_decoding_backend (auto or xgrammar, ladle's only backend).
+NO_EFFECT_FIELDS = frozenset({"logit_bias", "suffix", "best_of", "use_beam_search", "spaces_between_special_tokens",
+                              "guided_decoding_backend"})
 MAX_N = 128
 MAX_LOGPROBS = 20  # the engine's ceiling; the server's --max-logprobs may lower it
 SEED_RANGE = dict(ge=-(2**63), le=2**63 - 1)
@@ -30,7 +42,7 @@ def random_id(prefix: str) -> str:
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class KVTransferParams(BaseModel):
@@ -49,6 +61,7 @@ class KVTransferParams(BaseModel):
 class StreamOptions(_Request):
     include_usage: bool = False
     continuous_usage_stats: bool = False
+    include_obfuscation: bool | None = None  # metadata: ladle's events carry no obfuscation padding
 
 
 class _Sampling(_Request):
@@ -75,7 +88,13 @@ class _Sampling(_Request):
     ignore_eos: bool = False
     min_tokens: int = 0
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True  # true: decoded as tokenizer.json decodes (vLLM's default)
     include_stop_str_in_output: bool = False
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)  # keep the prompt's last N tokens; -1: what fits
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] = Field(default_factory=list)
+    prompt_logprobs: int | None = Field(None, ge=0)  # at most the server's --max-logprobs
+    use_beam_search: bool = False
     priority: int = 0
     # a client-chosen id: the response id becomes "<prefix>-<request_id>", and
     # POST /v1/requests/{request_id}/cancel stops the request (ladle.server.cancel)
@@ -106,8 +125,16 @@ class _Sampling(_Request):
     def check_supported(self) -> None:
         if self.logit_bias:
             raise InvalidRequestError("logit_bias is not supported", param="logit_bias")
-        if self.include_stop_str_in_output:
-            raise InvalidRequestError("include_stop_str_in_output is not supported", param="include_stop_str_in_output")
+        if self.use_beam_search:
+            raise InvalidRequestError("use_beam_search is not supported: ladle samples, it has no beam search",
+                                      param="use_beam_search")
+        if not (self.spaces_between_special_tokens or self.skip_special_tokens):
+            raise InvalidRequestError("spaces_between_special_tokens false is not supported (ladle decodes as "
+                                      "tokenizer.json does, as vLLM's default)", param="spaces_between_special_tokens")
+        if self.truncate_prompt_tokens == 0:
+            raise InvalidRequestError("truncate_prompt_tokens must be -1 or at least 1", param="truncate_prompt_tokens")
+        if self.prompt_logprobs is not None and self.stream:
+            raise InvalidRequestError("prompt_logprobs are not available when stream is true", param="prompt_logprobs")
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError("stream_options is only allowed when stream is true", param="stream_options")
         if self.guided_decoding_backend not in (None, "auto", "xgrammar"):
@@ -126,9 +153,27 @@ class _Sampling(_Request):
             max_tokens=max_tokens, min_tokens=self.min_tokens,
             stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
             stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
-            logprobs=logprobs, prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output, logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
+            allowed_token_ids=self.allowed_token_ids, bad_words=list(self.bad_words),
             structured_outputs=structured_outputs_of(self), thinking_token_budget=self.thinking_budget,
         )
+
+    def prompt_room(self, max_model_len: int) -> int | None:
+        """How many prompt tokens to keep, the last ones (None: all), by vLLM's truncate_prompt_tokens
+        rules: -1 keeps what the context leaves after max_tokens; more than that is refused."""
+        keep = self.truncate_prompt_tokens
+        if keep is None:
+            return None
+        room = max_model_len - (self.requested_max_tokens or 0)
+        if room < 1:
+            raise InvalidRequestError(f"{self.max_tokens_field} leaves no room for the prompt in the context "
+                                      f"({max_model_len} tokens)", param=self.max_tokens_field)
+        if keep > room:
+            raise InvalidRequestError(f"truncate_prompt_tokens={keep} cannot be greater than max_model_len - "
+                                      f"{self.max_tokens_field} = {room}. Please request a smaller truncation size.",
+                                      param="truncate_prompt_tokens")
+        return room if keep == -1 else keep
 
     @property
     def thinking_budget(self) -> int | None:
@@ -139,6 +184,9 @@ class _Sampling(_Request):
 
 
 class TextPart(_Request):
+    """A content part: only text ones are served; the others are refused by their type."""
+
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
     type: str
     text: str | None = None
 
@@ -160,6 +208,14 @@ class ChatMessage(_Request):
     name: str | None = None
     tool_calls: list[ToolCallMessage] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool message: the call it answers
+    # an assistant's earlier thinking, for templates that show it (vLLM's two names)
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+    # what OpenAI and vLLM replies carry, sent back with the message: accepted while null or empty
+    refusal: str | None = None
+    annotations: list[Any] | None = None
+    audio: dict[str, Any] | None = None
+    function_call: dict[str, Any] | None = None
 
     def text(self, where: str) -> str:
         """The content as one string (text parts joined by newlines, as vLLM does)."""
@@ -170,6 +226,8 @@ class ChatMessage(_Request):
             if part.type != "text" or part.text is None:
                 raise InvalidRequestError(f"content parts of type {part.type!r} are not supported (only 'text')",
                                           param=f"{where}.content[{j}].type")
+            if part.model_extra:
+                raise unrecognized(f"{where}.content[{j}].{next(iter(part.model_extra))}")
             texts.append(part.text)
         return "\n".join(texts)
 
@@ -182,6 +240,14 @@ class ChatCompletionRequest(_Sampling):
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # metadata (METADATA_FIELDS): accepted, no effect
+    store: bool | None = None
+    service_tier: str | None = None
+    metadata: dict[str, str] | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    prediction: dict[str, Any] | None = None
     # reasoning models (--reasoning-parser): OpenAI's effort levels, mapped to thinking budgets
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
     # vLLM extras
@@ -201,9 +267,12 @@ class ChatCompletionRequest(_Sampling):
                                       param="thinking_token_budget")
 
     def to_sampling_params(self) -> SamplingParams:
-        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self.sampling_params(max_tokens, logprobs)
+        return self.sampling_params(self.requested_max_tokens, logprobs, self.prompt_logprobs)
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     @property
     def thinking_budget(self) -> int | None:
@@ -257,8 +326,13 @@ class CompletionRequest(_Sampling):
                                   "or a list of lists of token ids, and not empty", param="prompt")
 
     def to_sampling_params(self) -> SamplingParams:
-        prompt_logprobs = self.logprobs if self.echo and self.logprobs is not None else None
+        echoed = self.logprobs if self.echo else None  # the echoed prompt's logprobs come from the engine's
+        prompt_logprobs = max((k for k in (self.prompt_logprobs, echoed) if k is not None), default=None)
         return self.sampling_params(self.max_tokens, self.logprobs, prompt_logprobs)
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
 
     @property
     def max_tokens_field(self) -> str:
@@ -267,6 +341,15 @@ class CompletionRequest(_Sampling):
 
 def _is_token_id(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+_INSTEAD = {"functions": "tools", "function_call": "tool_choice"}  # OpenAI's legacy fields -> what replaced them
+
+
+def unrecognized(param: str) -> InvalidRequestError:
+    """OpenAI's answer to a field it does not know."""
+    instead = f" (send {_INSTEAD[param]}: ladle serves no legacy {param})" if param in _INSTEAD else ""
+    return InvalidRequestError(f"Unrecognized request argument supplied: {param}{instead}", param=param)
 
 
 # -- responses -------------------------------------------------------------------
@@ -322,7 +405,7 @@ class _Timed(_Response):
     @model_serializer(mode="wrap")
     def _drop_unset_extras(self, handler: Any) -> dict[str, Any]:
         out = handler(self)
-        for name in ("timings", "kv_transfer_params"):
+        for name in ("timings", "kv_transfer_params", "prompt_logprobs"):
             if out.get(name, 0) is None:
                 out.pop(name)
         return out
@@ -364,6 +447,20 @@ class ChatTokenLogprob(TopLogprob):
 
 class ChatLogprobs(_Response):
     content: list[ChatTokenLogprob] | None = None
+
+
+class PromptLogprob(_Response):
+    """vLLM's Logprob: a token's logprob, its rank (tokens at least as likely, itself included; 1 the
+    most likely) and its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# prompt_logprobs: per prompt token, None for the first (nothing predicts it), else token id -> its
+# Logprob, the prompt's own token first, then the prompt_logprobs most likely (vLLM's shape)
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
 
 
 class CompletionLogprobs(_Response):
@@ -435,6 +532,7 @@ class ChatCompletionResponse(_Timed):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobs | None = None  # asked for with prompt_logprobs
     timings: Timings | None = None
     kv_transfer_params: KVTransferParams | None = None
 
@@ -475,6 +573,14 @@ class CompletionChoice(_Response):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # asked for with prompt_logprobs (left out otherwise)
+
+    @model_serializer(mode="wrap")
+    def _drop_unset_prompt_logprobs(self, handler: Any) -> dict[str, Any]:
+        out = handler(self)
+        if out.get("prompt_logprobs") is None:
+            out.pop("prompt_logprobs", None)
+        return out
 
 
 class CompletionResponse(_Timed):
@@ -509,6 +615,7 @@ class TokenizeRequest(_Request):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ToolDefinition] | None = None  # with messages: rendered by the chat template, as a chat request's
     return_token_strs: bool = False
 
 

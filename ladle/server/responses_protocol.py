@@ -25,9 +25,14 @@ class _Closed(BaseModel):
 
 
 class InputPart(_Request):
-    # extra ignored: an earlier reply passed back as input carries annotations and logprobs
+    """A content part: only text ones are served, the others are refused by their type."""
+
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
     type: str
     text: str | None = None
+    # an earlier reply's output_text passed back as input carries them: they describe that reply, no effect
+    annotations: list[Any] | None = None
+    logprobs: list[Any] | None = None
 
 
 class InputMessage(_Closed):
@@ -45,6 +50,9 @@ class InputMessage(_Closed):
             if part.type not in ("input_text", "output_text") or part.text is None:
                 raise InvalidRequestError(f"content parts of type {part.type!r} are not supported "
                                           "(only input_text and output_text)", param=f"{where}.content[{j}].type")
+            if part.model_extra:
+                param = f"{where}.content[{j}].{next(iter(part.model_extra))}"
+                raise InvalidRequestError(f"{param} is not supported by /v1/responses", param=param)
             texts.append(part.text)
         return "\n".join(texts)
 

@@ -51,10 +51,14 @@ async def tokenize(request: Request) -> Response:
     ctx.check_model(req.model)
     tok = ctx.engine.tokenizer
     if req.messages is not None:
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         text = chat_prompt(ctx.chat_tokenizer, req.messages, req.add_generation_prompt, req.continue_final_message,
-                           req.chat_template_kwargs)
+                           req.chat_template_kwargs, tools)
         add_special = bool(req.add_special_tokens)  # vLLM: the template already holds them
     elif req.prompt is not None:
+        if req.tools:
+            raise InvalidRequestError("tools are rendered by the chat template: send messages with them",
+                                      param="tools")
         text = req.prompt
         add_special = req.add_special_tokens is not False
     else:

@@ -21,7 +21,7 @@ def required_schema(tools: list[dict[str, Any]], parallel: bool) -> dict[str, An
     calls = [{"type": "object",
               "properties": {"name": {"type": "string", "enum": [function_of(t)["name"]]},
                              "parameters": named_schema(t)},
-              "required": ["name", "parameters"]} for t in tools]
+              "required": ["name", "parameters"], "additionalProperties": False} for t in tools]
     schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
     if not parallel:
         schema["maxItems"] = 1
