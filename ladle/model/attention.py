@@ -7,6 +7,7 @@ with its native kernels). The CUDA path's Triton kernels implement the same thre
 
 from __future__ import annotations
 
+import functools
 import math
 import mmap
 from dataclasses import dataclass, field
@@ -14,8 +15,29 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ladle.model import kernels, kv_quant
+from ladle.model.kernels.loader import cpu_flags
+
+
+@functools.cache
+def _torch_packs_without_its_kernel() -> bool:
+    """True where torch's CPU flash attention would call its VNNI packing from a build below
+    AVX-512: torch decides to pack from the CPU (AMX present) but runs the kernels of
+    ATEN_CPU_CAPABILITY, and the AVX2 build of the packing raises. Only a capability forced
+    below the CPU's (CI's AVX2 pass on an AMX Xeon) meets this; a real AVX2 CPU has no AMX."""
+    capability = torch.backends.cpu.get_cpu_capability().upper()
+    return not capability.startswith("AVX512") and "amx_tile" in cpu_flags()
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.Tensor:
+    """torch's scaled_dot_product_attention, on its math backend where its 16-bit flash
+    kernel would fail (above)."""
+    if q.dtype in (torch.bfloat16, torch.float16) and q.device.type == "cpu" and _torch_packs_without_its_kernel():
+        with sdpa_kernel(SDPBackend.MATH):
+            return F.scaled_dot_product_attention(q, k, v, **kwargs)
+    return F.scaled_dot_product_attention(q, k, v, **kwargs)
 
 
 @dataclass
@@ -265,7 +287,7 @@ class TorchPagedAttention:
         qg = q.view(b, self.num_kv_heads, group, self.head_dim)
         k = self._gather(layer, "k", meta.decode_block_tables, q.dtype).transpose(1, 2)
         v = self._gather(layer, "v", meta.decode_block_tables, q.dtype).transpose(1, 2)
-        o = F.scaled_dot_product_attention(qg, k, v, attn_mask=meta.backend_data)
+        o = sdpa(qg, k, v, attn_mask=meta.backend_data)
         return o.reshape(b, self.num_heads * self.head_dim)
 
     def _prefill(self, layer: int, span: PrefillSpan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -282,7 +304,7 @@ class TorchPagedAttention:
             causal = False
         ks = ks.transpose(0, 1).unsqueeze(0)
         vs = vs.transpose(0, 1).unsqueeze(0)
-        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=causal, enable_gqa=True)
+        o = sdpa(qs, ks, vs, attn_mask=mask, is_causal=causal, enable_gqa=True)
         return o[0].transpose(0, 1).reshape(n, self.num_heads * self.head_dim)
 
     def _tiles(self, layer: int, span: PrefillSpan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -305,8 +327,8 @@ class TorchPagedAttention:
             # depend on the tile's row count, not on the other rows' values.
             rows = F.pad(rows, (0, 0, 0, 0, pos - tile_start, 0)).transpose(0, 1)
             causal = torch.ones(tile_end - tile_start, tile_end, dtype=torch.bool, device=q.device).tril(tile_start)
-            o = F.scaled_dot_product_attention(rows.unsqueeze(0), keys[:, :tile_end].unsqueeze(0),
-                                               values[:, :tile_end].unsqueeze(0), attn_mask=causal, enable_gqa=True)
+            o = sdpa(rows.unsqueeze(0), keys[:, :tile_end].unsqueeze(0), values[:, :tile_end].unsqueeze(0),
+                     attn_mask=causal, enable_gqa=True)
             o = o[0, :, pos - tile_start :].transpose(0, 1)
             out.append(o.reshape(tile_end - pos, self.num_heads * self.head_dim))
             pos = tile_end
