@@ -85,7 +85,6 @@ class LLM:
         keeps_stop_strings: set[str] = set()
         for prompt, p, lora in zip(prompts, params_list, loras, strict=True):
             rid = str(next(self._ids))
-            p.update_from_tokenizer(self.tokenizer, self.engine.model_config.vocab_size)
             ids = self.engine.add_request(rid, prompt, p, lora=self._adapter_name(lora))
             results[rid] = GenerationResult(rid, ids, [Completion(i) for i in range(p.n)])
             if p.include_stop_str_in_output:

@@ -25,6 +25,7 @@ from server_utils import GREEDY, HELLO, MODEL, Server, ServerThread, chat, own_s
 
 from ladle import LLM, SamplingParams
 from ladle.config import EngineConfig
+from ladle.errors import InvalidRequestError
 from ladle.server.app import create_app
 from ladle.server.chat_prompt import REPLY_ONLY
 from ladle.server.constraints import tool_plan_of
@@ -44,6 +45,11 @@ def tiny_server(tiny: Tiny) -> Iterator[Server]:
     with own_server(EngineConfig(model=str(tiny[0]), dtype="float32", max_model_len=TINY_CONTEXT,
                                  max_num_seqs=128, num_kv_blocks=600)) as s:
         yield s
+
+
+@pytest.fixture(scope="module")
+def tiny_llm(tiny: Tiny) -> LLM:
+    return LLM(str(tiny[0]), dtype="float32", num_kv_blocks=64)
 
 
 @pytest.fixture(scope="module")
@@ -534,8 +540,8 @@ def test_include_stop_str_in_output_cuts_after_the_stop_string(server: Server, c
     assert got["text"] == whole[: whole.index(word) + len(word)] and got["stop_reason"] == word
 
 
-def test_include_stop_str_in_output_offline(tiny: Tiny) -> None:
-    llm = LLM(str(tiny[0]), dtype="float32", num_kv_blocks=64)
+def test_include_stop_str_in_output_offline(tiny_llm: LLM) -> None:
+    llm = tiny_llm
     greedy = dict(temperature=0.0, max_tokens=12, ignore_eos=True)
     whole = llm.generate([PROMPT], SamplingParams(**greedy))[0].outputs[0].text
     stop = whole[3:5]
@@ -544,6 +550,22 @@ def test_include_stop_str_in_output_offline(tiny: Tiny) -> None:
     assert cut == whole[: whole.index(stop)] and kept.text == cut + stop and kept.stop_reason == stop
     banned = llm.generate([PROMPT], SamplingParams(bad_words=[whole[0]], **greedy))[0].outputs[0].text
     assert whole[0] not in banned  # the offline API tokenizes bad_words too
+
+
+def test_the_engine_checks_allowed_ids_and_tokenizes_bad_words_itself(tiny_llm: LLM) -> None:
+    """Straight to LLMEngine.add_request (as the async engine's callers may): an id outside the vocabulary
+    is refused there, not met by the sampler mid-step, and bad_words not yet tokenized are tokenized."""
+    llm = tiny_llm
+    engine, greedy = llm.engine, dict(temperature=0.0, max_tokens=12, ignore_eos=True)
+    with pytest.raises(InvalidRequestError) as err:
+        engine.add_request("bad", PROMPT, SamplingParams(allowed_token_ids=[VOCAB], **greedy))
+    assert err.value.param == "allowed_token_ids" and not engine.has_unfinished_requests()
+    whole = llm.generate([PROMPT], SamplingParams(**greedy))[0].outputs[0].text
+    engine.add_request("ban", PROMPT, SamplingParams(bad_words=[whole[0]], **greedy))
+    text = []
+    while engine.has_unfinished_requests():
+        text += [d.text for out in engine.step() for d in out.deltas]
+    assert whole[0] not in "".join(text)
 
 
 def test_skip_special_tokens_false_shows_them(client: openai.OpenAI) -> None:

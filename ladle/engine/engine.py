@@ -300,6 +300,9 @@ class LLMEngine:
         adapter = self._adapter(lora)
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self._check_prompt(ids, params)
+        if params.bad_words and params.bad_words_token_ids is None:  # not yet tokenized by the caller
+            params = replace(params)
+            params.update_from_tokenizer(self.tokenizer, self.model_config.vocab_size)
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(ids)
         if max_tokens != params.max_tokens:
             params = replace(params, max_tokens=max_tokens)
@@ -346,7 +349,7 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if any(not 0 <= t < vocab for t in ids):
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", param="prompt")
-        for name in ("stop_token_ids", "label_token_ids"):
+        for name in ("stop_token_ids", "label_token_ids", "allowed_token_ids"):
             if any(not 0 <= t < vocab for t in getattr(params, name) or ()):
                 raise InvalidRequestError(f"{name} must be in [0, {vocab})", param=name)
         layers = self.model_config.num_hidden_layers
@@ -400,6 +403,12 @@ class LLMEngine:
         return StepOutput(request_id=request_id, prompt_token_ids=first.prompt_token_ids, deltas=deltas,
                           finished=True, num_cached_tokens=first.num_cached_tokens, arrival_time=first.arrival_time,
                           timings=RequestTimings.of(seqs))
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached block that no running request holds (vLLM's API; benchmarks call it for
+        a cold run): a prompt served before is computed again, in the second tier's blocks too.
+        Returns True when the cache is empty, False when running requests hold blocks, which stay."""
+        return self.kv.reset_prefix_cache()
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
