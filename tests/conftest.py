@@ -1,9 +1,11 @@
 """Shared, slow-to-build fixtures: the converted default model, transformers' own GGUF load of it,
-and one ladle server for the whole session."""
+one ladle server for the whole session, one for the labelled-set CLI tests, and a pool of offline
+engines."""
 
 from __future__ import annotations
 
 import os
+from collections import OrderedDict
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -11,9 +13,10 @@ from typing import Any
 import openai
 import pytest
 import torch
-from server_utils import MODEL, NUM_KV_BLOCKS, Server, ServerThread
+from server_utils import LABELLED_KV_BLOCKS, MODEL, NUM_KV_BLOCKS, Server, ServerThread, own_server
 from tiny_models import build_tiny_model
 
+from ladle import LLM
 from ladle.config import EngineConfig
 from ladle.engine.async_engine import AsyncEngine
 from ladle.engine.engine import LLMEngine
@@ -104,6 +107,49 @@ def hf_smollm2():
     return model.eval(), tokenizer
 
 
+# what picks an engine's kernels and dtype besides its arguments
+ENGINE_ENVIRONMENT = ("LADLE_", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS")
+
+
+class EnginePool:
+    """LLMs kept across tests, keyed by model, arguments and the environment that picks their kernels:
+    tests that build the same engine share one. `get` hands it over idle, with an empty prefix cache.
+    Its counters (stats, prefix-cache queries and hits) run on from user to user, to be read as
+    differences, and so does its random stream for unseeded sampling: users send greedy, seeded or
+    scoring requests. Same arguments, same instance: a test wanting two such engines at once builds the
+    second itself. Once `size` are kept, the least recently used goes."""
+
+    def __init__(self, size: int = 4) -> None:
+        self.size = size
+        self.llms: OrderedDict[str, LLM] = OrderedDict()
+
+    def get(self, model: Path | str, **engine_args: Any) -> LLM:
+        env = sorted((k, v) for k, v in os.environ.items() if k.startswith(ENGINE_ENVIRONMENT))
+        key = repr((str(model), sorted(engine_args.items()), env))
+        llm = self.llms.pop(key, None)
+        if llm is not None and llm.engine.has_unfinished_requests():  # left mid-request by a failed test
+            llm.engine.close()
+            llm = None
+        if llm is None:
+            llm = LLM(str(model), **engine_args)
+        self.llms[key] = llm
+        while len(self.llms) > self.size:
+            self.llms.popitem(last=False)[1].engine.close()
+        assert llm.engine.reset_prefix_cache()
+        return llm
+
+    def close(self) -> None:
+        while self.llms:
+            self.llms.popitem()[1].engine.close()
+
+
+@pytest.fixture(scope="session")
+def engine_pool() -> Iterator[EnginePool]:
+    pool = EnginePool()
+    yield pool
+    pool.close()
+
+
 @pytest.fixture(scope="session")
 def async_engine() -> Iterator[AsyncEngine]:
     """The default model with a small KV pool, shared by every server test."""
@@ -118,6 +164,16 @@ def server(async_engine: AsyncEngine) -> Iterator[Server]:
     thread = ServerThread(create_app(async_engine, MODEL)).start()
     yield Server(thread.url, async_engine)
     thread.stop()
+
+
+@pytest.fixture(scope="session")
+def labelled_server() -> Iterator[Server]:
+    """One server for the labelled-set CLI tests (calibrate check, calibrate fit, heads fit), its pool
+    large enough to keep every example's rendered decision cached: after the first of them, the others
+    find the tickets' prompts in the prefix cache (bit for bit what computing them gives: decisions are
+    canonical). A test that needs a cold cache resets it (POST /reset_prefix_cache)."""
+    with own_server(EngineConfig(num_kv_blocks=LABELLED_KV_BLOCKS)) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")

@@ -27,6 +27,9 @@ from ladle.server.app import create_app
 
 MODEL = "SmolLM2-135M-Instruct"
 NUM_KV_BLOCKS = 1024
+# the labelled-set CLI tests' server: every rendered ticket (320 prompts of ~130 tokens) stays cached,
+# with the option-order sample and the chat traffic of `calibrate check` beside them (2446 blocks in all)
+LABELLED_KV_BLOCKS = 3072
 GREEDY = dict(temperature=0.0)
 HELLO = [{"role": "user", "content": "Say hello in one short sentence."}]
 EXAMPLES = Path(__file__).parents[1] / "examples" / "decisions"  # labelled sets and their questions
@@ -109,6 +112,21 @@ def own_server(config: EngineConfig, **app_args) -> Iterator[Server]:
     finally:
         thread.stop()
         engine.shutdown()
+
+
+@contextmanager
+def app_server(engine: AsyncEngine, cold: bool = False, **app_args) -> Iterator[Server]:
+    """Another app, with these create_app options, over a running engine (the session's): app options
+    without an engine of their own. cold: its prefix cache reset first, as a fresh engine's is empty."""
+    thread = ServerThread(create_app(engine, MODEL, **app_args)).start()
+    server = Server(thread.url, engine)
+    try:
+        if cold:
+            server.wait_idle()
+            assert httpx.post(f"{server.url}/reset_prefix_cache").status_code == 200
+        yield server
+    finally:
+        thread.stop()
 
 
 def free_port() -> int:

@@ -191,6 +191,34 @@ def test_shutdown_fails_running_requests_and_refuses_new_ones(scripted) -> None:
     assert not ae.is_running
 
 
+def test_a_call_runs_between_steps_on_the_engine_thread(scripted) -> None:
+    """call(fn): fn(engine) on the engine thread while a request streams; its value or its error comes back,
+    the snapshot already shows its effect, and the engine goes on; once shut down, calls are refused."""
+    engine, ae = scripted
+
+    def take_blocks(e: ScriptedEngine) -> int:
+        e.threads.add(threading.get_ident())
+        e.kv.num_free_blocks -= 3
+        return e.kv.num_free_blocks
+
+    async def main():
+        stream = await ae.add_request("long", [1], SamplingParams(max_tokens=10**9))
+        await stream.__anext__()
+        free = await ae.call(take_blocks)
+        assert ae.snapshot().num_free_blocks == free == 4  # 8, one held by the request, three taken
+        with pytest.raises(ZeroDivisionError):
+            await ae.call(lambda e: 1 / 0)
+        before = (await stream.__anext__()).deltas[0].token_ids[0]
+        assert (await stream.__anext__()).deltas[0].token_ids == [before + 1]  # still stepping
+        stream.abort()
+        await asyncio.to_thread(ae.shutdown)
+        with pytest.raises(EngineStoppedError):
+            await ae.call(take_blocks)
+
+    asyncio.run(main())
+    assert len(engine.threads) == 1 and threading.get_ident() not in engine.threads
+
+
 def test_a_failing_step_fails_its_requests_instead_of_hanging() -> None:
     ae = AsyncEngine(ScriptedEngine(fail_at_step=2))
 

@@ -4,28 +4,24 @@ chat traffic against one live server (bit-identical, as ladle promises), and shu
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
-from server_utils import Server, labelled_set_args, own_server
+from server_utils import Server, labelled_set_args
 
 from ladle.calibrate.check import CONDITIONS, compare, order_summary
 from ladle.calibrate.client import Scored
 from ladle.cli import main
-from ladle.config import EngineConfig
 
 
-
-@pytest.fixture(scope="module")
-def server() -> Iterator[Server]:
-    with own_server(EngineConfig(num_kv_blocks=1024)) as s:
-        yield s
-
-
-def test_replay_is_bit_identical_and_order_moves_answers(server: Server, tmp_path: Path,
+def test_replay_is_bit_identical_and_order_moves_answers(labelled_server: Server, tmp_path: Path,
                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    server = labelled_server
+    server.wait_idle()
+    # the server is shared with the other labelled-set tests: the reference pass must be computed cold
+    assert httpx.post(f"{server.url}/reset_prefix_cache").status_code == 200
     code = main(["calibrate", "check", *labelled_set_args(server, heldout=False), "--limit", "40", "--order-sample", "8",
                  "--repeats", "2", "--report-dir", str(tmp_path)])
     printed = capsys.readouterr().out

@@ -4,29 +4,20 @@ a temperature fitted on one part and judged on situations it never saw."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
-from server_utils import EXAMPLES, Server, labelled_set_args, own_server
+from server_utils import EXAMPLES, Server, labelled_set_args
 
 from ladle.calibrate import methods
 from ladle.calibrate.cli import split
 from ladle.calibrate.client import read_labelled
 from ladle.cli import main
-from ladle.config import EngineConfig
 
 
-
-@pytest.fixture(scope="module")
-def server() -> Iterator[Server]:
-    with own_server(EngineConfig(num_kv_blocks=1024)) as s:
-        yield s
-
-
-def test_temperature_fit_halves_held_out_ece(server: Server, tmp_path: Path) -> None:
-    out, reports = tmp_path / "team.json", tmp_path / "report"
+def test_temperature_fit_halves_held_out_ece(labelled_server: Server, tmp_path: Path) -> None:
+    server, out, reports = labelled_server, tmp_path / "team.json", tmp_path / "report"
     code = main(["calibrate", "fit", *labelled_set_args(server), "--method", "temperature", "--out", str(out), "--report-dir", str(reports), "--concurrency", "8"])
     assert code == 0
     report = json.loads((reports / "report.json").read_text())

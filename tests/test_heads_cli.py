@@ -4,33 +4,42 @@ fit never saw."""
 
 from __future__ import annotations
 
+import asyncio
 import json
-from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
 import pytest
-from server_utils import EXAMPLES, MODEL, Server, ServerThread, labelled_set_args, own_server
+from server_utils import EXAMPLES, MODEL, Server, app_server, labelled_set_args
 
 from ladle.calibrate.client import read_labelled
 from ladle.cli import main
-from ladle.config import EngineConfig
 from ladle.decisions.extensions import Extensions
-from ladle.server.app import create_app
+
+CONCURRENCY = 8
 
 
+async def decide_all(url: str, bodies: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """POST each body to /v1/decisions, CONCURRENCY at a time; the answers in order."""
+    limit = asyncio.Semaphore(CONCURRENCY)
 
-@pytest.fixture(scope="module")
-def server() -> Iterator[Server]:
-    with own_server(EngineConfig(num_kv_blocks=2048)) as s:
-        yield s
+    async def one(client: httpx.AsyncClient, body: dict[str, Any]) -> dict[str, Any]:
+        async with limit:
+            r = await client.post("/v1/decisions", json=body)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+        return await asyncio.gather(*(one(client, body) for body in bodies))
 
 
 @pytest.mark.slow  # fits a head end to end over a labelled set
-def test_fitted_head_served_beats_the_zero_shot_decision(server: Server, tmp_path: Path) -> None:
-    head, reports = tmp_path / "team.safetensors", tmp_path / "report"
-    code = main(["heads", "fit", *labelled_set_args(server), "--out", str(head), "--report-dir", str(reports), "--concurrency", "8"])
+def test_fitted_head_served_beats_the_zero_shot_decision(labelled_server: Server, tmp_path: Path) -> None:
+    server, head, reports = labelled_server, tmp_path / "team.safetensors", tmp_path / "report"
+    code = main(["heads", "fit", *labelled_set_args(server), "--out", str(head), "--report-dir", str(reports),
+                 "--concurrency", str(CONCURRENCY)])
     assert code == 0
     report = json.loads((reports / "report.json").read_text())
     sidecar = json.loads(head.with_suffix(".json").read_text())
@@ -42,17 +51,13 @@ def test_fitted_head_served_beats_the_zero_shot_decision(server: Server, tmp_pat
     question = json.loads((EXAMPLES / "tickets.question.json").read_text())
     held = read_labelled(EXAMPLES / "tickets.heldout.jsonl", question)
     extensions = Extensions.load(MODEL, [], [f"team={head}"])
-    thread = ServerThread(create_app(server.engine, MODEL, decision_extensions=extensions)).start()
-    try:
-        chosen = []
-        for text in held.inputs:
-            r = httpx.post(f"{thread.url}/v1/decisions", timeout=60,
-                           json={"input": text, "questions": [{**question, "head": "team"}]})
-            answer = r.json()["answers"][question["id"]]
-            assert answer["answered_by"] == "head"
-            chosen.append(held.options.index(answer["choice"]))
-    finally:
-        thread.stop()
-    # served from the decision's own prefill, the head agrees with the one fit judged, example for example
+    with app_server(server.engine, decision_extensions=extensions) as served:
+        replies = asyncio.run(decide_all(served.url, [{"input": text, "questions": [{**question, "head": "team"}]}
+                                                      for text in held.inputs]))
+    answers = [reply["answers"][question["id"]] for reply in replies]
+    assert all(answer["answered_by"] == "head" for answer in answers)
+    chosen = [held.options.index(answer["choice"]) for answer in answers]
+    # served from the decisions' own prefills (batched: scoring is batch-invariant), the head agrees
+    # with the one fit judged, example for example
     accuracy = float(np.mean(np.array(chosen) == held.labels))
     assert accuracy == pytest.approx(report["after"]["accuracy"], abs=1e-12)

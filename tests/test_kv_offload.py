@@ -94,6 +94,22 @@ def test_without_the_tier_the_session_is_recomputed(smollm2_dir: Path, never_evi
     assert out == never_evicted[False][0]
 
 
+def test_a_reset_prefix_cache_empties_the_tier_too(smollm2_dir: Path, tmp_path: Path) -> None:
+    """After reset_prefix_cache, turn 1's prompt is computed again: neither the tree nor the tier has it."""
+    llm = offload_llm(smollm2_dir, tmp_path)
+    tier = llm.engine.kv.offload.tier
+    first = tokens(1, 176)
+    want, _, _ = run(llm, first)
+    for seed in PRESSURE[:2]:  # evicts turn 1's blocks to the tier
+        run(llm, tokens(seed, 180))
+    assert tier.num_blocks > 0 and llm.engine.kv.num_cached_blocks > 0
+    assert llm.engine.reset_prefix_cache()
+    assert tier.num_blocks == llm.engine.kv.num_cached_blocks == 0 and not list(Path(tier.directory).glob("*.kv"))
+    out, _, cached = run(llm, first)
+    assert cached == 0 and tier.stats.restored == 0 and out == want
+    assert_no_leak(llm)
+
+
 @pytest.mark.parametrize("damage", ["corrupt", "truncate", "delete"])
 def test_a_damaged_tier_file_falls_back_to_recompute(smollm2_dir: Path, tmp_path: Path, never_evicted: dict,
                                                      damage: str) -> None:

@@ -234,3 +234,41 @@ def test_prompt_logprobs_bypass_the_cache(tiny_llama: Path) -> None:
     assert len(first) == len(second) == len(prompt) and first[0] is None
     assert [lp.logprob for lp in first[1:]] == [lp.logprob for lp in second[1:]]
     assert_no_leak(llm)
+
+
+def absorb(out: dict[str, tuple[list[int], int]], outputs) -> None:
+    """Gather step outputs: request id -> (its tokens so far, its prompt tokens found cached)."""
+    for o in outputs:
+        tokens, _ = out.get(o.request_id, ([], 0))
+        out[o.request_id] = (tokens + o.deltas[0].token_ids, o.num_cached_tokens)
+
+
+def test_reset_prefix_cache_drops_what_no_request_holds(tiny_llama: Path) -> None:
+    """After a reset a cached prompt is a miss; a running request's blocks stay cached and it finishes
+    as it would have, though a long prompt then takes every free block (the freed ones first)."""
+    rng = random.Random(9)
+    cached, running, filler = ids(rng, 64), ids(rng, 40), ids(rng, 200)
+    long = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    cold = LLM(str(tiny_llama), block_size=8, enable_prefix_caching=False).generate([cached, running], [GREEDY, long])
+    llm = LLM(str(tiny_llama), block_size=8, num_kv_blocks=48)
+    engine, kv, out = llm.engine, llm.engine.kv, {}
+    assert llm.generate([cached], GREEDY)[0].outputs[0].token_ids == cold[0].outputs[0].token_ids
+    engine.add_request("running", running, long)
+    for _ in range(3):  # prefilled and decoding: it holds its blocks, and its prompt's are cached
+        absorb(out, engine.step())
+    table = engine.requests["running"][0].block_table
+    held = {b for b in table if kv.cache.contains_block(b)}
+    assert len(held) == 5 and kv.num_cached_blocks > len(held)
+    assert engine.reset_prefix_cache() is False  # the running request's blocks stay
+    assert set(kv.cache.by_block) == held and kv.num_free_blocks == kv.num_blocks - len(table)
+    engine.add_request("again", cached, GREEDY)
+    engine.add_request("filler", filler, GREEDY)
+    while engine.has_unfinished_requests():
+        absorb(out, engine.step())
+    assert out["again"] == (cold[0].outputs[0].token_ids, 0)  # a miss, and the same tokens
+    assert out["running"][0] == cold[1].outputs[0].token_ids
+    assert engine.reset_prefix_cache() is True
+    assert kv.num_cached_blocks == 0 and len(kv.pool.free_ids) == kv.num_blocks
+    assert engine.kv_events.snapshot().blocks == []  # every drop was published
+    assert kv.stats.evictions == 0  # dropped, not evicted for room
+    assert_no_leak(llm)

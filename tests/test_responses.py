@@ -10,9 +10,8 @@ import jsonschema
 import openai
 import pydantic
 import pytest
-from server_utils import GREEDY, MODEL, Server, chat, own_server
+from server_utils import GREEDY, MODEL, Server, app_server, chat
 
-from ladle.config import EngineConfig
 
 QUESTION = "Say hello in one short sentence."
 USER = [{"role": "user", "content": QUESTION}]
@@ -227,8 +226,8 @@ def test_bad_fields_are_400s_naming_them(server: Server, client: openai.OpenAI) 
     assert err.value.body["param"] == "top_k"
 
 
-def test_the_store_keeps_only_the_most_recent() -> None:
-    with own_server(EngineConfig(num_kv_blocks=64), max_stored_responses=2) as server, \
+def test_the_store_keeps_only_the_most_recent(async_engine) -> None:
+    with app_server(async_engine, max_stored_responses=2) as server, \
             openai.OpenAI(base_url=server.base_url, api_key="x", max_retries=0) as client:
         ids = [respond(client, QUESTION, max_output_tokens=1).id for _ in range(3)]
         with pytest.raises(openai.NotFoundError):

@@ -266,6 +266,28 @@ def test_api_key(async_engine) -> None:
         thread.stop()
 
 
+def test_reset_prefix_cache_route(server: Server, client: openai.OpenAI) -> None:
+    """POST /reset_prefix_cache (vLLM's route): a cached prompt is computed again afterwards; while a
+    request runs, its blocks stay and the answer is 409."""
+    messages = [{"role": "system", "content": "test_reset_prefix_cache_route: its own prompt."}] + HELLO
+    first = chat(client, messages)
+    assert chat(client, messages).usage.prompt_tokens_details.cached_tokens == first.usage.prompt_tokens - 1
+    server.wait_idle()
+    assert httpx.post(f"{server.url}/reset_prefix_cache").status_code == 200
+    assert server.stats()["num_cached_blocks"] == 0
+    again = chat(client, messages)
+    assert again.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.choices[0].message.content == first.choices[0].message.content
+    with client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=200, stream=True, **GREEDY,
+                                        extra_body={"ignore_eos": True}) as stream:
+        next(iter(stream))  # decoding: it holds its blocks
+        busy = httpx.post(f"{server.url}/reset_prefix_cache")
+        assert busy.status_code == 409 and busy.json()["error"]["code"] == "prefix_cache_in_use"
+        assert server.stats()["num_cached_blocks"] > 0
+    server.wait_idle()
+    assert httpx.post(f"{server.url}/reset_prefix_cache").status_code == 200
+
+
 # -- the real command ------------------------------------------------------------
 
 

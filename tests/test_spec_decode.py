@@ -4,6 +4,7 @@ metrics accounted."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -11,11 +12,12 @@ import pytest
 import torch
 from server_utils import MODEL, own_server
 from tiny_models import build_tiny_model
-from conftest import VOCAB, Tiny
+from conftest import VOCAB, EnginePool, Tiny
 from test_sampling_semantics import P_MIN, chi_square_p, ref_logits
 
 from ladle import LLM, SamplingParams
 from ladle.config import EngineConfig
+from ladle.llm import GenerationResult
 from ladle.spec_decode.config import SpeculativeConfig
 from ladle.spec_decode.ngram import propose
 
@@ -35,6 +37,24 @@ def tiny_draft(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> P
     return build_tiny_model("llama", tmp_path_factory.mktemp("draft"), smollm2_dir)
 
 
+Baseline = Callable[..., list[GenerationResult]]
+
+
+@pytest.fixture(scope="module")
+def baseline(engine_pool: EnginePool, smollm2_dir: Path) -> Baseline:
+    """baseline(prompts, params, **engine_args): the answers without speculation, computed once per
+    module for each (prompts, params, engine arguments), on a pooled engine with an empty prefix cache."""
+    answers: dict[str, list[GenerationResult]] = {}
+
+    def get(prompts: list[str], params: SamplingParams | list[SamplingParams], **engine_args) -> list[GenerationResult]:
+        key = repr((prompts, params, sorted(engine_args.items())))
+        if key not in answers:
+            answers[key] = engine_pool.get(smollm2_dir, **engine_args).generate(prompts, params)
+        return answers[key]
+
+    return get
+
+
 def spec_config(method: dict | str, tiny_draft: Path) -> dict:
     if method == "draft_model":
         return {"method": "draft_model", "model": str(tiny_draft), "num_speculative_tokens": 3,
@@ -48,8 +68,8 @@ PROMPTS = [QUOTE, "List the days of the week: Monday, Tuesday,", "Write a haiku 
            "Count from one to twenty: one, two, three,"]
 
 
-def outputs(llm: LLM, prompts: list[str], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
-    return [[c.token_ids for c in r.outputs] for r in llm.generate(prompts, params)]
+def token_ids(results: list[GenerationResult]) -> list[list[list[int]]]:
+    return [[c.token_ids for c in r.outputs] for r in results]
 
 
 def test_ngram_proposals_follow_the_latest_match() -> None:
@@ -76,13 +96,13 @@ def test_the_load_aware_policy_shrinks_then_stops() -> None:
     {"max_num_batched_tokens": 32, "long_prefill_token_threshold": 16},  # chunked prefill, drafts cut by budget
     {"num_kv_blocks": 24, "block_size": 8, "max_num_batched_tokens": 64},  # a pool too small: preemption
 ], ids=["plain", "chunked", "preempted"])
-def test_greedy_output_is_unchanged(smollm2_dir: Path, tiny_draft: Path, engine_args: dict, method) -> None:
+def test_greedy_output_is_unchanged(smollm2_dir: Path, tiny_draft: Path, baseline: Baseline, engine_args: dict,
+                                    method) -> None:
     greedy = [SamplingParams(temperature=0.0, max_tokens=48, logprobs=2), SamplingParams(temperature=0.0, max_tokens=40),
               SamplingParams(temperature=0.0, max_tokens=24, stop=["."]), SamplingParams(temperature=0.0, max_tokens=64),
               SamplingParams(temperature=0.0, max_tokens=64)]
-    base = LLM(str(smollm2_dir), **engine_args)
     spec = LLM(str(smollm2_dir), speculative_config=spec_config(method, tiny_draft), **engine_args)
-    want = base.generate(PROMPTS, greedy)
+    want = baseline(PROMPTS, greedy, **engine_args)
     got = spec.generate(PROMPTS, greedy)
     for w, g in zip(want, got):
         assert g.outputs[0].token_ids == w.outputs[0].token_ids
@@ -101,12 +121,12 @@ def test_greedy_output_is_unchanged(smollm2_dir: Path, tiny_draft: Path, engine_
 
 
 @pytest.mark.parametrize("method", METHODS, ids=IDS)
-def test_seeded_samples_and_n_are_unchanged(smollm2_dir: Path, tiny_draft: Path, method) -> None:
+def test_seeded_samples_and_n_are_unchanged(smollm2_dir: Path, tiny_draft: Path, baseline: Baseline, method) -> None:
     """One draw per emitted token, in order: a seeded request emits the same tokens with speculation."""
     params = [SamplingParams(temperature=0.8, top_p=0.95, seed=s, max_tokens=40, n=2) for s in range(5)]
-    base = outputs(LLM(str(smollm2_dir)), PROMPTS, params)
+    base = token_ids(baseline(PROMPTS, params))
     spec_llm = LLM(str(smollm2_dir), speculative_config=spec_config(method, tiny_draft))
-    assert outputs(spec_llm, PROMPTS, params) == base
+    assert token_ids(spec_llm.generate(PROMPTS, params)) == base
     assert spec_llm.engine.stats.spec.num_draft_tokens > 0
 
 
@@ -205,12 +225,12 @@ def test_the_serve_flag_takes_vllms_json() -> None:
         engine_config_from_args(parser.parse_args(["--speculative-config", '{"prompt_lookup_min": 5}']))
 
 
-def test_a_decision_in_a_speculating_batch_is_bit_identical(smollm2_dir: Path) -> None:
+def test_a_decision_in_a_speculating_batch_is_bit_identical(smollm2_dir: Path, engine_pool: EnginePool) -> None:
     llm = LLM(str(smollm2_dir), speculative_config=NGRAM)
     question = llm.tokenizer.apply_chat_template([{"role": "user", "content":
                                                    f"{QUOTE}\nIs this about animals? Answer yes or no."}])
     score = SamplingParams(label_token_ids=[llm.tokenizer.encode(w)[0] for w in ("yes", "no")])
-    alone = LLM(str(smollm2_dir)).generate([question], score)[0].outputs[0].label_logprobs
+    alone = engine_pool.get(smollm2_dir).generate([question], score)[0].outputs[0].label_logprobs
     engine = llm.engine
     engine.add_request("quote", QUOTE, SamplingParams(temperature=0.0, max_tokens=64))
     while engine.stats.spec.num_drafts == 0:  # the quote is speculating now
@@ -252,7 +272,7 @@ def test_streams_with_logprobs_n_and_stop_strings_are_unchanged(smollm2_dir: Pat
         assert spec.engine.snapshot().spec_decode.num_accepted_tokens > 0
 
 
-def test_structured_outputs_speculate_under_their_grammar(smollm2_dir: Path) -> None:
+def test_structured_outputs_speculate_under_their_grammar(smollm2_dir: Path, baseline: Baseline) -> None:
     """Each row is masked by the grammar as advanced over the drafts kept before it; the output is
     the same as without speculation, and valid."""
     import json
@@ -269,7 +289,7 @@ def test_structured_outputs_speculate_under_their_grammar(smollm2_dir: Path) -> 
     grammar = StructuredOutputsParams(json=schema)
     params = [SamplingParams(temperature=0.0, max_tokens=120, structured_outputs=grammar),
               SamplingParams(temperature=0.7, seed=3, max_tokens=120, structured_outputs=grammar)]
-    base = LLM(str(smollm2_dir)).generate([prompt, prompt], params)
+    base = baseline([prompt, prompt], params)
     spec = LLM(str(smollm2_dir), speculative_config=NGRAM)
     got = spec.generate([prompt, prompt], params)
     for w, g in zip(base, got):
@@ -278,12 +298,12 @@ def test_structured_outputs_speculate_under_their_grammar(smollm2_dir: Path) -> 
     assert spec.engine.stats.spec.num_accepted_tokens > 10  # the repeated keys were drafted and kept
 
 
-def test_the_model_itself_as_draft_model_keeps_every_draft(smollm2_dir: Path) -> None:
+def test_the_model_itself_as_draft_model_keeps_every_draft(smollm2_dir: Path, baseline: Baseline) -> None:
     """Greedy drafts of the target's own weights are the target's tokens: every one is kept, which
     only holds if the draft model's cache follows each sequence exactly (kept, rejected, new)."""
     llm = LLM(str(smollm2_dir), speculative_config={"method": "draft_model", "model": str(smollm2_dir),
                                                     "num_speculative_tokens": 3, "disable_by_batch_size": 64})
-    base = LLM(str(smollm2_dir)).generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=40))
+    base = baseline(PROMPTS, SamplingParams(temperature=0.0, max_tokens=40))
     got = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=40))
     assert [g.outputs[0].token_ids for g in got] == [b.outputs[0].token_ids for b in base]
     stats = llm.engine.stats.spec

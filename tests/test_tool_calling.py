@@ -7,9 +7,8 @@ import json
 import jsonschema
 import openai
 import pytest
-from server_utils import MODEL, Server, own_server
+from server_utils import MODEL, Server, app_server
 
-from ladle.config import EngineConfig
 from ladle.model.tokenizer import Tokenizer
 from ladle.server.chat_prompt import chat_prompt
 from ladle.server.protocol import ChatMessage
@@ -87,7 +86,7 @@ def test_tool_result_continues_the_conversation(server: Server, client: openai.O
     server.wait_idle()
 
 
-def test_auto_tool_choice_parses_what_the_model_writes() -> None:
+def test_auto_tool_choice_parses_what_the_model_writes(async_engine) -> None:
     """With --tool-call-parser hermes, a reply holding a <tool_call> block comes back as a call. An
     earlier call in the history (rendered by the fallback prompt) makes the 135M model copy the
     convention at temperature 0."""
@@ -95,7 +94,7 @@ def test_auto_tool_choice_parses_what_the_model_writes() -> None:
             "function": {"name": "get_weather", "arguments": '{"city": "Rome", "unit": "celsius"}'}}
     messages = [{"role": "user", "content": "weather in Rome?"}, {"role": "assistant", "tool_calls": [rome]},
                 {"role": "user", "content": "weather in Paris?"}]
-    with own_server(EngineConfig(num_kv_blocks=256), tool_call_parser="hermes") as server:
+    with app_server(async_engine, cold=True, tool_call_parser="hermes") as server:
         client = openai.OpenAI(base_url=server.base_url, api_key="x", max_retries=0, timeout=300)
         out = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], temperature=0,
                                              max_tokens=60).choices[0]

@@ -9,12 +9,13 @@ on a condition variable while there is nothing to do.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from ladle.engine.admission import CompletionRate, QueueFullError
 from ladle.engine.engine import LLMEngine
@@ -31,6 +32,7 @@ if TYPE_CHECKING:
     from ladle.engine.adapter_engine import AdapterEngine
 
 log = logging.getLogger("ladle")
+T = TypeVar("T")
 
 
 class EngineStoppedError(RuntimeError):
@@ -139,6 +141,16 @@ class _Abort:
     request_id: str
 
 
+@dataclass
+class _Call:
+    fn: Callable[[LLMEngine], Any]
+    done: asyncio.Future
+    loop: asyncio.AbstractEventLoop
+
+
+_Op = _Add | _Abort | _Call
+
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine):
         self.engine = engine
@@ -151,7 +163,7 @@ class AsyncEngine:
         self.max_waiting_requests = engine.config.max_waiting_requests  # None: no bound
         self.num_rejected = 0  # requests refused with QueueFullError
         self._cond = threading.Condition()
-        self._ops: list[_Add | _Abort] = []
+        self._ops: list[_Op] = []
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._streams: dict[str, RequestStream] = {}  # engine thread only
@@ -288,10 +300,23 @@ class AsyncEngine:
         """Abort from any thread; the blocks are free once the engine thread has drained its queue."""
         self._submit(_Abort(request_id))
 
-    def _submit(self, op: _Add | _Abort) -> None:
+    async def call(self, fn: Callable[[LLMEngine], T]) -> T:
+        """fn(engine) run on the engine thread between two steps (the engine is not thread-safe), and
+        what it returns or raises; snapshot() shows its effect by the time it returns."""
+        self.start()
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        self._submit(_Call(fn, done, loop))
+        return await done
+
+    async def reset_prefix_cache(self) -> bool:
+        """LLMEngine.reset_prefix_cache, between two steps."""
+        return await self.call(LLMEngine.reset_prefix_cache)
+
+    def _submit(self, op: _Op) -> None:
         with self._cond:
             if self._stopping or self._error is not None:
-                if isinstance(op, _Add):
+                if not isinstance(op, _Abort):
                     raise EngineStoppedError("the engine is not running") from self._error
                 return
             failure = self.engine.failure
@@ -334,8 +359,12 @@ class AsyncEngine:
             if stopping:
                 self._fail_all(ops, EngineStoppedError("the engine was shut down"))
                 return
-            self._apply(ops)
-            snapshot = self._publish()
+            calls = self._apply(ops)
+            try:
+                snapshot = self._publish()
+            finally:  # answered after the snapshot that shows their effect
+                for settle in calls:
+                    settle()
             if not engine.has_unfinished_requests():
                 if self._aborted and self._listeners:  # no step to carry them: report the aborts now
                     now = time.time()
@@ -362,8 +391,13 @@ class AsyncEngine:
                 self._completions.record(at)
         return snapshot
 
-    def _apply(self, ops: list[_Add | _Abort]) -> None:
+    def _apply(self, ops: list[_Op]) -> list[Callable[[], None]]:
+        """Apply the queued operations; returns how to answer the calls among them."""
+        calls = []
         for op in ops:
+            if isinstance(op, _Call):
+                calls.append(self._run_call(op))
+                continue
             if isinstance(op, _Abort):
                 stream = self._streams.pop(op.request_id, None)
                 self._sequences.pop(op.request_id, None)
@@ -382,6 +416,14 @@ class AsyncEngine:
             self._streams[op.request_id] = op.stream
             self._sequences[op.request_id] = self.engine.requests[op.request_id]
             _resolve(op.stream._loop, op.accepted, value=ids)
+        return calls
+
+    def _run_call(self, op: _Call) -> Callable[[], None]:
+        try:
+            value = op.fn(self.engine)
+        except Exception as e:
+            return functools.partial(_resolve, op.loop, op.done, error=e)
+        return functools.partial(_resolve, op.loop, op.done, value=value)
 
     def _deliver(self, outputs: list[StepOutput]) -> None:
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, StepOutput]]] = {}
@@ -394,10 +436,12 @@ class AsyncEngine:
         for loop, items in by_loop.items():
             _call_soon(loop, _put_all, items)
 
-    def _fail_all(self, ops: list[_Add | _Abort], error: BaseException) -> None:
+    def _fail_all(self, ops: list[_Op], error: BaseException) -> None:
         for op in ops:
             if isinstance(op, _Add):
                 _resolve(op.stream._loop, op.accepted, error=error)
+            elif isinstance(op, _Call):
+                _resolve(op.loop, op.done, error=error)
         for rid, stream in list(self._streams.items()):
             _call_soon(stream._loop, stream._put, error)
             try:

@@ -372,6 +372,19 @@ class KVCacheManager:
         else:
             self.pool.free_ids.append(block_id)
 
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached block no sequence holds, and every block of the second tier: a prompt
+        computed before is a miss afterwards. Blocks that running sequences hold stay (and stay
+        cached). True when nothing is left cached; False when running sequences hold some."""
+        if self.cache is None:
+            return True
+        while (node := self.cache.evict_lru(lambda b: self.pool.ref_counts[b] == 0)) is not None:
+            self.num_cached_unreferenced -= 1  # dropped, not evicted for room: no eviction counted
+            self.pool.free_ids.append(node.block_id)
+        if self.offload is not None:
+            self.offload.tier.clear()
+        return len(self.cache) == 0
+
     def _evict_one(self) -> None:
         node = self.cache.evict_lru(lambda b: self.pool.ref_counts[b] == 0) if self.cache else None
         assert node is not None, "no block to evict although the count said there was"

@@ -138,6 +138,11 @@ class OffloadTier:
             self._used -= entry.nbytes
             _unlink(self._path(key))
 
+    def clear(self) -> None:
+        """Drop every block (the prefix cache was reset)."""
+        for key in list(self._entries):
+            self.discard(key)
+
     def close(self) -> None:
         """Delete every file and the directory; safe to call twice, and run at interpreter exit."""
         self._cleanup()

@@ -34,17 +34,19 @@ class RouteDoc:
     stream_event: Any = None  # with `"stream": true`, the type of each server-sent event's data
     media_type: str | None = None  # a 200 answer that is not JSON (its schema: a string)
     examples: dict[str, dict] | None = None  # request bodies by name, shown in /docs (each answers 200)
+    errors: dict[int, str] | None = None  # this route's own error answers, besides ERRORS
 
 
 _DOCS: dict[str, RouteDoc] = {}
 
 
 def schemas(request: Any = None, response: Any = None, *, stream_event: Any = None,
-            media_type: str | None = None, examples: dict[str, dict] | None = None) -> dict[str, Any]:
+            media_type: str | None = None, examples: dict[str, dict] | None = None,
+            errors: dict[int, str] | None = None) -> dict[str, Any]:
     """A route's shapes, passed as its `openapi_extra`; `install_openapi` turns them into schemas.
     (The document holds only JSON, so the shapes wait in a registry under a key.)"""
     key = str(len(_DOCS))
-    _DOCS[key] = RouteDoc(request, response, stream_event, media_type, examples)
+    _DOCS[key] = RouteDoc(request, response, stream_event, media_type, examples, errors)
     return {_KEY: key}
 
 
@@ -102,7 +104,7 @@ def _describe(op: dict[str, Any], d: RouteDoc, refs: dict) -> None:
         ok["content"] = content
     error = {"application/json": {"schema": refs[ErrorResponse]}}
     op["responses"] = {"200": ok, **{str(status): {"description": why, "content": error}
-                                     for status, why in ERRORS.items()}}
+                                     for status, why in {**ERRORS, **(d.errors or {})}.items()}}
 
 
 def _event_schema(event: dict, error: dict) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""Everything besides generation: models, tokenize/detokenize (vLLM's shapes), health, version, stats, metrics."""
+"""Everything besides generation: models, tokenize/detokenize (vLLM's shapes), health, version, stats, metrics,
+and resetting the prefix cache."""
 
 from __future__ import annotations
 
@@ -101,6 +102,16 @@ async def version(request: Request) -> Response:
 async def engine_stats(request: Request) -> Response:
     """Scheduler and KV pool state after the last step (GET /metrics has the same, for Prometheus)."""
     return JSONResponse(asdict(get_context(request).engine.snapshot()))
+
+
+@router.post("/reset_prefix_cache", openapi_extra=schemas(errors={409: "Running requests hold cached blocks"}))
+async def reset_prefix_cache(request: Request) -> Response:
+    """Drop the prefix cache (vLLM's route; for cold benchmark runs): 200 once nothing is cached, 409
+    when running requests hold cached blocks, which stay (every other block is dropped all the same)."""
+    if not await get_context(request).engine.reset_prefix_cache():
+        raise APIError(409, "running requests hold cached blocks, which stay cached; every other block was "
+                            "dropped (reset again once they finish)", code="prefix_cache_in_use")
+    return Response(status_code=200)
 
 
 @router.get("/metrics", openapi_extra=schemas(media_type="text/plain"))
