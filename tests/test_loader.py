@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import json
 import os
 import time
 from pathlib import Path
@@ -263,6 +264,19 @@ def test_chat_template_features_match_transformers(tok: Tokenizer, hf_smollm2) -
     assert ours.apply_chat_template(messages, add_generation_prompt=False, extra="!") == expected
     with pytest.raises(Exception, match="bad role"):
         ours.apply_chat_template([{"role": "tool", "content": "x"}])
+
+
+def test_a_tokenizer_file_is_parsed_once_per_version(smollm2_dir: Path, tmp_path: Path) -> None:
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_bytes((smollm2_dir / name).read_bytes())
+    first, again = Tokenizer.from_folder(tmp_path), Tokenizer.from_folder(tmp_path)
+    assert again.backend is first.backend  # engines of one process share the parsed file
+    spec = json.loads((tmp_path / "tokenizer.json").read_text())
+    spec["added_tokens"].append({"id": first.vocab_size, "content": "<|brand_new|>", "single_word": False,
+                                 "lstrip": False, "rstrip": False, "normalized": False, "special": True})
+    (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
+    changed = Tokenizer.from_folder(tmp_path)  # a new version of the file is read again
+    assert changed.vocab_size == first.vocab_size + 1 and changed.token_to_id("<|brand_new|>") == first.vocab_size
 
 
 def test_chatml_fallback(tok: Tokenizer) -> None:
