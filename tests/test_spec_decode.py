@@ -98,9 +98,9 @@ def test_the_load_aware_policy_shrinks_then_stops() -> None:
 ], ids=["plain", "chunked", "preempted"])
 def test_greedy_output_is_unchanged(smollm2_dir: Path, tiny_draft: Path, baseline: Baseline, engine_args: dict,
                                     method) -> None:
-    greedy = [SamplingParams(temperature=0.0, max_tokens=48, logprobs=2), SamplingParams(temperature=0.0, max_tokens=40),
-              SamplingParams(temperature=0.0, max_tokens=24, stop=["."]), SamplingParams(temperature=0.0, max_tokens=64),
-              SamplingParams(temperature=0.0, max_tokens=64)]
+    greedy = [SamplingParams(temperature=0.0, max_tokens=32, logprobs=2), SamplingParams(temperature=0.0, max_tokens=24),
+              SamplingParams(temperature=0.0, max_tokens=24, stop=["."]), SamplingParams(temperature=0.0, max_tokens=40),
+              SamplingParams(temperature=0.0, max_tokens=40)]
     spec = LLM(str(smollm2_dir), speculative_config=spec_config(method, tiny_draft), **engine_args)
     want = baseline(PROMPTS, greedy, **engine_args)
     got = spec.generate(PROMPTS, greedy)
@@ -123,7 +123,7 @@ def test_greedy_output_is_unchanged(smollm2_dir: Path, tiny_draft: Path, baselin
 @pytest.mark.parametrize("method", METHODS, ids=IDS)
 def test_seeded_samples_and_n_are_unchanged(smollm2_dir: Path, tiny_draft: Path, baseline: Baseline, method) -> None:
     """One draw per emitted token, in order: a seeded request emits the same tokens with speculation."""
-    params = [SamplingParams(temperature=0.8, top_p=0.95, seed=s, max_tokens=40, n=2) for s in range(5)]
+    params = [SamplingParams(temperature=0.8, top_p=0.95, seed=s, max_tokens=24, n=2) for s in range(5)]
     base = token_ids(baseline(PROMPTS, params))
     spec_llm = LLM(str(smollm2_dir), speculative_config=spec_config(method, tiny_draft))
     assert token_ids(spec_llm.generate(PROMPTS, params)) == base
@@ -133,7 +133,7 @@ def test_seeded_samples_and_n_are_unchanged(smollm2_dir: Path, tiny_draft: Path,
 @pytest.mark.parametrize("method", METHODS, ids=IDS)
 def test_prefix_cache_holds_only_verified_tokens(smollm2_dir: Path, tiny_draft: Path, method) -> None:
     llm = LLM(str(smollm2_dir), speculative_config=spec_config(method, tiny_draft), block_size=4)
-    results = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=48))
+    results = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=32))
     stats = llm.engine.stats.spec
     assert stats.num_draft_tokens > stats.num_accepted_tokens  # some drafts were rejected
     texts = [r.prompt_token_ids + r.outputs[0].token_ids for r in results]
