@@ -23,7 +23,7 @@ def question(llm: LLM, text: str, i: int) -> str:
 @pytest.fixture(scope="module")
 def text() -> str:
     rng = random.Random(0)
-    return " ".join(rng.choice(WORDS) for _ in range(300))
+    return " ".join(rng.choice(WORDS) for _ in range(160))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -36,7 +36,7 @@ def test_scoring_is_bit_identical_cold_cached_and_batched(smollm2_dir: Path, tex
 def check_scoring_is_bit_identical(smollm2_dir: Path, text: str, kernels: str, **engine_args) -> None:
     """Label log-probabilities: cold, cached, batched, and from a partly shared block, all the same bits."""
     # A small token budget forces chunked prefill, so chunk boundaries differ run to run.
-    engine_args = dict(kv_cache_memory_gib=0.5, max_num_batched_tokens=200, **engine_args)
+    engine_args = dict(kv_cache_memory_gib=0.5, max_num_batched_tokens=96, **engine_args)
     llm = LLM(str(smollm2_dir), **engine_args)
     # the native case really runs the native kernels (a failed build would fall back to torch silently)
     assert (loader.native_kernels() is not None) == (kernels == "native")
@@ -48,7 +48,7 @@ def check_scoring_is_bit_identical(smollm2_dir: Path, text: str, kernels: str, *
     hits_before = llm.engine.kv.stats.hits
     warm = llm.generate([question(llm, text, 0)], score)[0].outputs[0].label_logprobs
     assert llm.engine.kv.stats.hits > hits_before  # really served from the cache
-    mixed = llm.generate([question(llm, text, 1), "Tell me a story. " * 30, question(llm, text, 0)],
+    mixed = llm.generate([question(llm, text, 1), "Tell me a story. " * 12, question(llm, text, 0)],
                          [score, chat, score])
     assert cold == warm == mixed[2].outputs[0].label_logprobs
     # A fresh engine that first caches question 1: question 0 then reuses the block
