@@ -4,7 +4,9 @@ engines."""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 from collections import OrderedDict
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,7 +15,9 @@ from typing import Any
 import openai
 import pytest
 import torch
-from server_utils import LABELLED_KV_BLOCKS, MODEL, NUM_KV_BLOCKS, Server, ServerThread, own_server
+from server_utils import (
+    LABELLED_KV_BLOCKS, MODEL, NUM_KV_BLOCKS, Server, ServerThread, every_other_example, own_server,
+)
 from tiny_models import build_tiny_model
 
 from ladle import LLM
@@ -22,7 +26,7 @@ from ladle.engine.async_engine import AsyncEngine
 from ladle.engine.engine import LLMEngine
 from ladle.model.kernels import loader
 from ladle.model.kernels.native import NativeKernels
-from ladle.model.loader import GROUPED_SUFFIXES, default_gguf_path, resolve_model_path
+from ladle.model.loader import GROUPED_SUFFIXES, cache_dir, default_gguf_path, gguf_cache_path, resolve_model_path
 from ladle.server.app import create_app
 
 # References are float32 (transformers, float64): the suite computes in float32 whatever `auto`
@@ -96,15 +100,44 @@ def isa_kernels(request, monkeypatch: pytest.MonkeyPatch) -> Iterator[NativeKern
     loader.reset()
 
 
+def hf_reference_folder(gguf: Path) -> Path:
+    """Where transformers' own load of `gguf` is kept once per machine: keyed like ladle's conversion
+    (the GGUF's size and content) and by the transformers version that read it."""
+    import transformers
+
+    return cache_dir() / f"{gguf_cache_path(gguf).name}-transformers-{transformers.__version__}"
+
+
 @pytest.fixture(scope="session")
 def hf_smollm2():
-    """(model, tokenizer) as transformers loads the default GGUF directly: the reference (~15 s)."""
+    """(model, tokenizer) as transformers loads the default GGUF directly: the reference. Reading and
+    dequantising the GGUF takes transformers ~17 s, so its result is saved (float32 safetensors: the same
+    numbers, the same tokenizer and chat template) and later sessions load that in under a second."""
+    from safetensors.torch import save_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     gguf = default_gguf_path()
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    return model.eval(), tokenizer
+    saved = hf_reference_folder(gguf)
+    if not (saved / "config.json").is_file():
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        partial = saved.with_name(f"{saved.name}.partial-{os.getpid()}")
+        # save_pretrained refuses a model transformers loaded from a GGUF: its weights are plain
+        # float32 tensors all the same
+        model.config.save_pretrained(partial)
+        config = json.loads((partial / "config.json").read_text())
+        del config["quantization_config"]  # {"quant_method": "gguf", "dequantize": false}: the GGUF's, not these
+        (partial / "config.json").write_text(json.dumps(config, indent=2))
+        model.generation_config.save_pretrained(partial)
+        save_model(model, str(partial / "model.safetensors"))
+        tokenizer.save_pretrained(partial)
+        try:
+            partial.rename(saved)  # whole or absent: another session never reads half a folder
+        except OSError:  # another session saved it first
+            shutil.rmtree(partial)
+        return model.eval(), tokenizer
+    model = AutoModelForCausalLM.from_pretrained(saved, dtype=torch.float32)
+    return model.eval(), AutoTokenizer.from_pretrained(saved)
 
 
 # what picks an engine's kernels and dtype besides its arguments
@@ -174,6 +207,14 @@ def labelled_server() -> Iterator[Server]:
     canonical). A test that needs a cold cache resets it (POST /reset_prefix_cache)."""
     with own_server(EngineConfig(num_kv_blocks=LABELLED_KV_BLOCKS)) as s:
         yield s
+
+
+@pytest.fixture(scope="session")
+def labelled_examples(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tickets labelled set, every other example of each split (112 to fit, 48 held out), for the
+    end-to-end fits on the labelled server (test_calibrate_cli, test_heads_cli): the same prompts for
+    both, so the second finds them cached."""
+    return every_other_example(tmp_path_factory.mktemp("labelled"))
 
 
 @pytest.fixture(scope="module")

@@ -7,6 +7,7 @@ starts a private one for tests that need other engine flags.
 
 from __future__ import annotations
 
+import shutil
 import socket
 import threading
 import time
@@ -135,13 +136,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def labelled_set_args(server: Server, name: str = "tickets", heldout: bool = True) -> list[str]:
-    """--base-url, --data (the fit split), --heldout and --question of an example labelled set, as
-    `ladle calibrate` and `ladle heads` take them."""
-    args = ["--base-url", server.url, "--data", str(EXAMPLES / f"{name}.fit.jsonl")]
+def labelled_set_args(server: Server, name: str = "tickets", heldout: bool = True,
+                      examples: Path = EXAMPLES) -> list[str]:
+    """--base-url, --data (the fit split), --heldout and --question of an example labelled set (in
+    `examples`), as `ladle calibrate` and `ladle heads` take them."""
+    args = ["--base-url", server.url, "--data", str(examples / f"{name}.fit.jsonl")]
     if heldout:
-        args += ["--heldout", str(EXAMPLES / f"{name}.heldout.jsonl")]
-    return args + ["--question", str(EXAMPLES / f"{name}.question.json")]
+        args += ["--heldout", str(examples / f"{name}.heldout.jsonl")]
+    return args + ["--question", str(examples / f"{name}.question.json")]
+
+
+def every_other_example(out: Path, name: str = "tickets") -> Path:
+    """The example labelled set `name` with every other line of its fit and held-out splits (labels in
+    the same proportions), in `out`: the end-to-end fits over half the prefills."""
+    for split in ("fit", "heldout"):
+        lines = (EXAMPLES / f"{name}.{split}.jsonl").read_text().splitlines(keepends=True)
+        (out / f"{name}.{split}.jsonl").write_text("".join(lines[::2]))
+    shutil.copy(EXAMPLES / f"{name}.question.json", out)
+    return out
 
 
 def chat(client: openai.OpenAI, messages: list[dict] = HELLO, **kw):

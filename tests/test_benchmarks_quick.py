@@ -51,7 +51,7 @@ SCRIPTS = {
     "speculative": Script(["--png", "{tmp}/speculative.png"], [rf"quote\s+1 ngram k=4\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}%"], marks=SLOW),
     "parallel": Script(["--out", "{tmp}/parallel.json"], [rf"tp2\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}",
                                                           rf"moe_ep2\s+{NUMBER}"], timeout=600, marks=SLOW),
-    "startup": Script([], [rf"first start: kernel build {NUMBER} s, GGUF conversion {NUMBER} s",
+    "startup": Script([], [rf"first start \(--quick: [^)]*\): kernel build {NUMBER} s, GGUF conversion {NUMBER} s",
                            rf"LLM\(\) {NUMBER} s, ladle serve to /health {NUMBER} s"], timeout=600, marks=SLOW),
     "serve_vs_peers": Script(["--servers", "ladle:float32,vllm:float32", "--model-dir", "{model}", "--result-dir",
                               "{tmp}"], [r"left out the peers vllm:float32", rf"\| ladle:float32 \| {NUMBER} \|"],

@@ -16,16 +16,16 @@ from ladle.calibrate.client import read_labelled
 from ladle.cli import main
 
 
-def test_temperature_fit_halves_held_out_ece(labelled_server: Server, tmp_path: Path) -> None:
+def test_temperature_fit_halves_held_out_ece(labelled_server: Server, labelled_examples: Path, tmp_path: Path) -> None:
     server, out, reports = labelled_server, tmp_path / "team.json", tmp_path / "report"
-    code = main(["calibrate", "fit", *labelled_set_args(server), "--method", "temperature", "--out", str(out), "--report-dir", str(reports), "--concurrency", "8"])
+    code = main(["calibrate", "fit", *labelled_set_args(server, examples=labelled_examples), "--method", "temperature", "--out", str(out), "--report-dir", str(reports), "--concurrency", "8"])
     assert code == 0
     report = json.loads((reports / "report.json").read_text())
     before, after = report["before"], report["after"]
-    assert (report["n_fit"], report["n_heldout"]) == (224, 96)
+    assert (report["n_fit"], report["n_heldout"]) == (112, 48)
     assert after["ece"] <= before["ece"] / 2 and after["nll"] < before["nll"]
     assert after["accuracy"] == before["accuracy"]  # a temperature never changes the argmax
-    assert sum(map(sum, after["confusion"]["rows_true_columns_chosen"])) == 96
+    assert sum(map(sum, after["confusion"]["rows_true_columns_chosen"])) == 48
     assert 0 < report["label_mass"]["suggested_floor"] <= report["label_mass"]["median"] <= 1
     assert (reports / "reliability.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     saved = json.loads(out.read_text())

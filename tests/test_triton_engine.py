@@ -23,7 +23,7 @@ PROMPTS = [
     "The quick brown fox jumps over the lazy dog. " * 3,
     "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,",
 ]
-MAX_TOKENS = 6
+MAX_TOKENS = 4
 LOGPROB_TOL = 2e-3
 TRITON = dict(attention_backend="triton", dtype="float32", block_size=8, num_kv_blocks=96, max_num_seqs=8)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
