@@ -135,7 +135,7 @@ def hf_smollm2():
             partial.rename(saved)  # whole or absent: another session never reads half a folder
         except OSError:  # another session saved it first
             shutil.rmtree(partial)
-        return model.eval(), tokenizer
+    # every session, the first included, takes the reference from the saved folder: one path for all
     model = AutoModelForCausalLM.from_pretrained(saved, dtype=torch.float32)
     return model.eval(), AutoTokenizer.from_pretrained(saved)
 

@@ -18,7 +18,8 @@ from ladle.cli import main
 
 def test_temperature_fit_halves_held_out_ece(labelled_server: Server, labelled_examples: Path, tmp_path: Path) -> None:
     server, out, reports = labelled_server, tmp_path / "team.json", tmp_path / "report"
-    code = main(["calibrate", "fit", *labelled_set_args(server, examples=labelled_examples), "--method", "temperature", "--out", str(out), "--report-dir", str(reports), "--concurrency", "8"])
+    code = main(["calibrate", "fit", *labelled_set_args(server, examples=labelled_examples), "--method", "temperature",
+                 "--out", str(out), "--report-dir", str(reports), "--concurrency", "8"])
     assert code == 0
     report = json.loads((reports / "report.json").read_text())
     before, after = report["before"], report["after"]

@@ -39,8 +39,8 @@ async def decide_all(url: str, bodies: list[dict[str, Any]]) -> list[dict[str, A
 def test_fitted_head_served_beats_the_zero_shot_decision(labelled_server: Server, labelled_examples: Path,
                                                          tmp_path: Path) -> None:
     server, head, reports = labelled_server, tmp_path / "team.safetensors", tmp_path / "report"
-    code = main(["heads", "fit", *labelled_set_args(server, examples=labelled_examples), "--out", str(head), "--report-dir", str(reports),
-                 "--concurrency", str(CONCURRENCY)])
+    code = main(["heads", "fit", *labelled_set_args(server, examples=labelled_examples), "--out", str(head),
+                 "--report-dir", str(reports), "--concurrency", str(CONCURRENCY)])
     assert code == 0
     report = json.loads((reports / "report.json").read_text())
     sidecar = json.loads(head.with_suffix(".json").read_text())
