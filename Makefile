@@ -5,6 +5,9 @@ PYTHON ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# pytest-xdist workers: one per core up to 4, each module on one worker (TEST_WORKERS=0 runs in-process)
+TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); echo $$(( n < 4 ? n : 4 )))
+PYTEST := $(BIN)/python -m pytest -q -n $(TEST_WORKERS)
 
 .PHONY: serve test test-fast test-avx2 bench clean
 
@@ -21,17 +24,17 @@ serve: $(STAMP)
 	$(BIN)/ladle serve
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(PYTEST)
 
 # The edit loop: everything but the tests that start worker processes (marked slow).
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(PYTEST) -m "not slow"
 
 # The tests whose results depend on the instruction set (marked isa) again on the AVX2 paths,
 # as an AVX2-only CPU (AMD EPYC Zen 3) runs them: ladle's kernels, torch's own and MKL's all held
 # to AVX2. The server, router, browser and bench tests compute nothing that differs there.
 test-avx2: $(STAMP)
-	LADLE_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 $(BIN)/python -m pytest -q -m isa
+	LADLE_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 $(PYTEST) -m isa
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/throughput.py

@@ -12,9 +12,16 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+# Under pytest-xdist (`make test` runs one worker per core), each worker computes on its share of the
+# cores: one thread each, not every worker spreading over all of them (set before torch is imported).
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if WORKERS > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // WORKERS)))
+
 import openai
 import pytest
 import torch
+from xdist.scheduler import LoadFileScheduling
 from server_utils import (
     LABELLED_KV_BLOCKS, MODEL, NUM_KV_BLOCKS, Server, ServerThread, every_other_example, own_server,
 )
@@ -37,15 +44,75 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+# The labelled-set CLI modules share one labelled server (and its prefix cache): one worker runs them all.
+LABELLED_MODULES = ("tests/test_calibrate_check.py", "tests/test_calibrate_cli.py", "tests/test_heads_cli.py")
+MODULE_SECONDS = "ladle/module_seconds"  # each module's time in the last run, in pytest's cache
+module_seconds: dict[str, float] = {}
+
+
+def module_of(nodeid: str) -> str:
+    return nodeid.split("::", 1)[0]
+
+
+def modules_scheduled_with(module: str) -> tuple[str, ...]:
+    return LABELLED_MODULES if module in LABELLED_MODULES else (module,)
+
+
+class ModuleScheduling(LoadFileScheduling):
+    """pytest-xdist's --dist loadfile (each module on one worker, so its fixtures are built once), with
+    the modules that share a session fixture worth keeping warm grouped as one, handed out in the
+    collection's order: the longest modules first (see `order_longest_modules_first`), not xdist's order
+    by number of tests, which left a long module to end the run on one worker while the other idled."""
+
+    def __init__(self, config: pytest.Config, log: Any = None) -> None:
+        super().__init__(config, log)
+        config.option.loadscopereorder = False
+
+    def _split_scope(self, nodeid: str) -> str:
+        return modules_scheduled_with(module_of(nodeid))[0]
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: unknown under -p no:xdist
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> ModuleScheduling:
+    return ModuleScheduling(config, log)
+
+
+def order_longest_modules_first(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Longest processing time first, by each module's time in the last run (pytest's cache); a module
+    not timed yet (a fresh clone) goes by its `slow` tests, which start processes or fit end to end."""
+    cache = getattr(config, "cache", None)  # None under -p no:cacheprovider
+    last_run = cache.get(MODULE_SECONDS, {}) if cache else {}
+    has_slow = {module_of(item.nodeid) for item in items if "slow" in item.keywords}
+
+    def cost(item: pytest.Item) -> tuple[float, bool]:
+        modules = modules_scheduled_with(module_of(item.nodeid))
+        return sum(last_run.get(m, 0.0) for m in modules), any(m in has_slow for m in modules)
+
+    items.sort(key=cost, reverse=True)  # stable: a module's tests keep their order
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    module = module_of(report.nodeid)
+    module_seconds[module] = module_seconds.get(module, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """The controller (or a run without workers) keeps each module's time for the next run's order."""
+    cache = getattr(session.config, "cache", None)
+    if cache is None or hasattr(session.config, "workerinput") or not module_seconds:
+        return
+    cache.set(MODULE_SECONDS, cache.get(MODULE_SECONDS, {}) | module_seconds)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Tests marked `cuda` need an NVIDIA GPU: deselected where torch sees none (CI has none; they run on
-    the device machine through benchmarks/gpu_check.sh)."""
-    if torch.cuda.is_available():
-        return
-    gpu = [item for item in items if "cuda" in item.keywords]
-    if gpu:
-        config.hook.pytest_deselected(items=gpu)
-        items[:] = [item for item in items if "cuda" not in item.keywords]
+    the device machine through benchmarks/gpu_check.sh). The rest run longest modules first."""
+    if not torch.cuda.is_available():
+        gpu = [item for item in items if "cuda" in item.keywords]
+        if gpu:
+            config.hook.pytest_deselected(items=gpu)
+            items[:] = [item for item in items if "cuda" not in item.keywords]
+    order_longest_modules_first(config, items)
 
 
 @pytest.fixture(scope="session")
