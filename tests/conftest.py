@@ -46,30 +46,28 @@ if not torch.cuda.is_available():
 
 # The labelled-set CLI modules share one labelled server (and its prefix cache): one worker runs them all.
 LABELLED_MODULES = ("tests/test_calibrate_check.py", "tests/test_calibrate_cli.py", "tests/test_heads_cli.py")
-MODULE_SECONDS = "ladle/module_seconds"  # each module's time in the last run, in pytest's cache
-module_seconds: dict[str, float] = {}
+TEST_SECONDS = "ladle/test_seconds"  # each test's time in its last run (setup, call, teardown), in pytest's cache
+test_seconds: dict[str, float] = {}
 
 
-def module_of(nodeid: str) -> str:
-    return nodeid.split("::", 1)[0]
-
-
-def modules_scheduled_with(module: str) -> tuple[str, ...]:
-    return LABELLED_MODULES if module in LABELLED_MODULES else (module,)
+def scope_of(nodeid: str) -> str:
+    """What one worker runs whole: the test's module, or the labelled-set modules together."""
+    module = nodeid.split("::", 1)[0]
+    return LABELLED_MODULES[0] if module in LABELLED_MODULES else module
 
 
 class ModuleScheduling(LoadFileScheduling):
     """pytest-xdist's --dist loadfile (each module on one worker, so its fixtures are built once), with
-    the modules that share a session fixture worth keeping warm grouped as one, handed out in the
-    collection's order: the longest modules first (see `order_longest_modules_first`), not xdist's order
-    by number of tests, which left a long module to end the run on one worker while the other idled."""
+    the labelled-set modules as one scope, handed out in the collection's order: the longest first (see
+    `order_longest_scopes_first`), not xdist's order by number of tests, which left a long module to end
+    the run on one worker while the other idled."""
 
     def __init__(self, config: pytest.Config, log: Any = None) -> None:
         super().__init__(config, log)
         config.option.loadscopereorder = False
 
     def _split_scope(self, nodeid: str) -> str:
-        return modules_scheduled_with(module_of(nodeid))[0]
+        return scope_of(nodeid)
 
 
 @pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: unknown under -p no:xdist
@@ -77,42 +75,48 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> ModuleSchedu
     return ModuleScheduling(config, log)
 
 
-def order_longest_modules_first(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Longest processing time first, by each module's time in the last run (pytest's cache); a module
-    not timed yet (a fresh clone) goes by its `slow` tests, which start processes or fit end to end."""
+def order_longest_scopes_first(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Longest processing time first: a scope's cost is its collected tests' times in their last run
+    (pytest's cache), so a run of a few tests leaves the others' times as they were; where none is
+    timed yet (a fresh clone), scopes with `slow` tests (processes, end-to-end fits) go first."""
     cache = getattr(config, "cache", None)  # None under -p no:cacheprovider
-    last_run = cache.get(MODULE_SECONDS, {}) if cache else {}
-    has_slow = {module_of(item.nodeid) for item in items if "slow" in item.keywords}
+    last_run = cache.get(TEST_SECONDS, {}) if cache else {}
+    seconds: dict[str, float] = {}
+    slow: set[str] = set()
+    for item in items:
+        scope = scope_of(item.nodeid)
+        seconds[scope] = seconds.get(scope, 0.0) + last_run.get(item.nodeid, 0.0)
+        if "slow" in item.keywords:
+            slow.add(scope)
 
     def cost(item: pytest.Item) -> tuple[float, bool]:
-        modules = modules_scheduled_with(module_of(item.nodeid))
-        return sum(last_run.get(m, 0.0) for m in modules), any(m in has_slow for m in modules)
+        scope = scope_of(item.nodeid)
+        return seconds[scope], scope in slow
 
     items.sort(key=cost, reverse=True)  # stable: a module's tests keep their order
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    module = module_of(report.nodeid)
-    module_seconds[module] = module_seconds.get(module, 0.0) + report.duration
+    test_seconds[report.nodeid] = test_seconds.get(report.nodeid, 0.0) + report.duration
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    """The controller (or a run without workers) keeps each module's time for the next run's order."""
+    """The controller (or a run without workers) keeps each test's time for the next run's order."""
     cache = getattr(session.config, "cache", None)
-    if cache is None or hasattr(session.config, "workerinput") or not module_seconds:
+    if cache is None or hasattr(session.config, "workerinput") or not test_seconds:
         return
-    cache.set(MODULE_SECONDS, cache.get(MODULE_SECONDS, {}) | module_seconds)
+    cache.set(TEST_SECONDS, cache.get(TEST_SECONDS, {}) | test_seconds)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Tests marked `cuda` need an NVIDIA GPU: deselected where torch sees none (CI has none; they run on
-    the device machine through benchmarks/gpu_check.sh). The rest run longest modules first."""
+    the device machine through benchmarks/gpu_check.sh). The rest run longest first."""
     if not torch.cuda.is_available():
         gpu = [item for item in items if "cuda" in item.keywords]
         if gpu:
             config.hook.pytest_deselected(items=gpu)
             items[:] = [item for item in items if "cuda" not in item.keywords]
-    order_longest_modules_first(config, items)
+    order_longest_scopes_first(config, items)
 
 
 @pytest.fixture(scope="session")
