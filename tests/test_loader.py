@@ -180,12 +180,23 @@ def test_tiny_gguf_round_trip(tmp_path: Path, arch: str, monkeypatch: pytest.Mon
     assert (cfg.model_type, cfg.head_dim, cfg.num_key_value_heads) == (arch, ref_cfg.head_dim, 2)
     assert cfg.tie_word_embeddings == ref_cfg.tie_word_embeddings and cfg.rope_theta == 50000.0
     assert cfg.attention_bias == (arch == "qwen2") and cfg.rms_norm_eps == 1e-5
+    if arch != "qwen3":  # its tokenizer class is qwen2's
+        _assert_tokenizer_is_transformers_own(gguf_path, folder, tmp_path / "reference-tokenizer")
     # the converted folder runs in transformers like the original model given the dequantised weights
     model.load_state_dict(expected, strict=False)
     converted = AutoModelForCausalLM.from_pretrained(str(folder)).eval()
     ids = torch.tensor([[1, 400, 3000, 17, 9000, 42]])
     with torch.no_grad():
         assert torch.allclose(converted(ids).logits, model(ids).logits, atol=1e-5, rtol=0)
+
+
+def _assert_tokenizer_is_transformers_own(gguf_path: Path, folder: Path, out: Path) -> None:
+    """The converted tokenizer files are the ones AutoTokenizer writes for the GGUF itself."""
+    from transformers import AutoTokenizer
+
+    AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name).save_pretrained(str(out))
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        assert (folder / name).read_bytes() == (out / name).read_bytes(), name
 
 
 def test_conversion_is_atomic(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -225,10 +225,14 @@ def _flush_shard(shards: list[dict[str, torch.Tensor]], out: Path) -> None:
     shards[i] = dict.fromkeys(shards[i])  # type: ignore[arg-type]
 
 
-def _write_tokenizer(gguf_path: Path, out: Path) -> None:
-    from transformers import AutoTokenizer  # heavy import, only at conversion time
+def _write_tokenizer(gguf_path: Path, out: Path, model_type: str) -> None:
+    # heavy import, only at conversion time
+    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES, tokenizer_class_from_name
 
-    tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    # the class AutoTokenizer picks for this model type, named here: given only the GGUF, AutoTokenizer
+    # would first parse the whole file again (vocabulary included) for the config that names it
+    tokenizer_class = tokenizer_class_from_name(TOKENIZER_MAPPING_NAMES.get(model_type) or "TokenizersBackend")
+    tok = tokenizer_class.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     tok.save_pretrained(str(out))
 
 
@@ -261,7 +265,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
         cfg = gguf_config(reader)
         _write_weights(reader, cfg, tmp)
         del reader
-        _write_tokenizer(gguf_path, tmp)
+        _write_tokenizer(gguf_path, tmp, cfg["model_type"])
         gen = {"bos_token_id": cfg["bos_token_id"], "eos_token_id": cfg["eos_token_id"]}
         (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
         # config.json last: its presence marks a complete folder
