@@ -85,29 +85,48 @@ def free_port() -> int:
 
 @contextmanager
 def running_server(cmd: list[str], env: dict, port: int, log: Path, timeout_s: float,
-                   poll_s: float = 1.0) -> Iterator[str]:
+                   poll_s: float = 0.1) -> Iterator[str]:
     """Start `cmd` in its own process group, yield its base URL once /health answers 200, then stop it."""
-    print(f"  $ {shlex.join(cmd)}  (log: {log})", flush=True)
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if proc.poll() is not None:
-                tail = log.read_text(errors="replace")[-3000:]
-                raise RuntimeError(f"server exited with {proc.returncode} before /health:\n{tail}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"no /health within {timeout_s:.0f} s")
-            try:
-                if httpx.get(base + "/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(poll_s)
+    with running_servers([(cmd, port, log)], env, timeout_s, poll_s) as [base]:
         yield base
+
+
+@contextmanager
+def running_servers(servers: list[tuple[list[str], int, Path]], env: dict, timeout_s: float,
+                    poll_s: float = 0.1) -> Iterator[list[str]]:
+    """Start every (cmd, port, log) at once, yield their base URLs once each answers /health (they
+    load side by side), then stop them all."""
+    procs: list[subprocess.Popen] = []
+    try:
+        for cmd, _, log in servers:
+            print(f"  $ {shlex.join(cmd)}  (log: {log})", flush=True)
+            with open(log, "wb") as out:
+                procs.append(subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                              start_new_session=True))
+        deadline = time.monotonic() + timeout_s
+        bases = [f"http://127.0.0.1:{port}" for _, port, _ in servers]
+        for proc, base, (_, _, log) in zip(procs, bases, servers):
+            _wait_healthy(proc, base, log, deadline, timeout_s, poll_s)
+        yield bases
     finally:
-        stop(proc)
+        for proc in procs:
+            stop(proc)
+
+
+def _wait_healthy(proc: subprocess.Popen, base: str, log: Path, deadline: float, timeout_s: float,
+                  poll_s: float) -> None:
+    while True:
+        if proc.poll() is not None:
+            tail = log.read_text(errors="replace")[-3000:]
+            raise RuntimeError(f"server exited with {proc.returncode} before /health:\n{tail}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"no /health within {timeout_s:.0f} s")
+        try:
+            if httpx.get(base + "/health", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(poll_s)
 
 
 def stop(proc: subprocess.Popen) -> None:

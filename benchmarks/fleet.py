@@ -37,7 +37,7 @@ import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import free_port, machine, running_server  # noqa: E402
+from common import free_port, machine, running_server, running_servers  # noqa: E402
 
 from ladle.bench.client import Target  # noqa: E402
 from ladle.bench.datasets import SampleRequest  # noqa: E402
@@ -90,14 +90,20 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 
 def start_workers(stack: ExitStack, work: Path, name: str, count: int, flags: list[str]) -> list[str]:
-    """`count` ladle serve processes, one thread each; their base URLs once all are healthy."""
+    """`count` alike ladle serve processes, one thread each; their base URLs once all are healthy."""
+    return start_serves(stack, work, [(f"{name}-{i}", flags) for i in range(count)])
+
+
+def start_serves(stack: ExitStack, work: Path, named_flags: list[tuple[str, list[str]]]) -> list[str]:
+    """One ladle serve process (one thread) per (log name, flags), loading side by side; their base
+    URLs once all are healthy."""
     servers = []
-    for i in range(count):
+    for name, flags in named_flags:
         port = free_port()
         cmd = [LADLE, "serve", "--host", "127.0.0.1", "--port", str(port), "--num-threads", "1", "--no-webui",
                "--uvicorn-log-level", "warning", *flags]
-        servers.append(running_server(cmd, dict(os.environ), port, work / f"{name}-{i}.log", 600.0))
-    return [stack.enter_context(s) for s in servers]
+        servers.append((cmd, port, work / f"{name}.log"))
+    return stack.enter_context(running_servers(servers, dict(os.environ), 600.0))
 
 
 def start_router(stack: ExitStack, work: Path, name: str, args: list[str]) -> str:
@@ -208,10 +214,9 @@ def run_layout(args: argparse.Namespace, work: Path, layout: str, rate: float,
             router = start_router(stack, work, f"colo-{rate}",
                                   ["--policy", "least_load", "--worker", workers[0], "--worker", workers[1]])
         else:
-            [p] = start_workers(stack, work, f"prefill-{rate}", 1,
-                                ["--kv-transfer-config", json.dumps({"kv_role": "kv_producer", "kv_port": free_port()})])
-            [d] = start_workers(stack, work, f"decode-{rate}", 1,
-                                ["--kv-transfer-config", json.dumps({"kv_role": "kv_consumer"})])
+            producer = {"kv_role": "kv_producer", "kv_port": free_port()}
+            p, d = start_serves(stack, work, [(f"prefill-{rate}", ["--kv-transfer-config", json.dumps(producer)]),
+                                              (f"decode-{rate}", ["--kv-transfer-config", '{"kv_role": "kv_consumer"}'])])
             router = start_router(stack, work, f"pd-{rate}", ["--prefill", p, "--decode", d])
         target = Target(base_url=router, model="SmolLM2-135M-Instruct", ignore_eos=True,
                         extra_body={"temperature": 0.0})
