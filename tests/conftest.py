@@ -4,11 +4,12 @@ engines."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,7 @@ import pytest
 import torch
 from xdist.scheduler import LoadFileScheduling
 from server_utils import (
-    LABELLED_KV_BLOCKS, MODEL, NUM_KV_BLOCKS, Server, ServerThread, every_other_example, own_server,
+    LABELLED_KV_BLOCKS, MODEL, NUM_KV_BLOCKS, Server, ServerThread, every_nth_example, own_server,
 )
 from tiny_models import build_tiny_model
 
@@ -171,6 +172,29 @@ def isa_kernels(request, monkeypatch: pytest.MonkeyPatch) -> Iterator[NativeKern
     loader.reset()
 
 
+def kept_reference(name: str, inputs: list[Path | str], compute: Callable[[], Any]) -> Any:
+    """A reference result computed once per machine: compute()'s JSON kept in the ladle cache, keyed by
+    `inputs` (files by their bytes, strings as they are) and the versions of the libraries references
+    come from, so a changed input or library computes it afresh."""
+    import peft
+    import transformers
+
+    key = hashlib.sha256(f"{name} torch {torch.__version__} transformers {transformers.__version__} "
+                         f"peft {peft.__version__}".encode())
+    for item in inputs:
+        key.update(item.read_bytes() if isinstance(item, Path) else item.encode())
+        key.update(b"\0")
+    kept = cache_dir() / "test-references" / f"{name}-{key.hexdigest()[:16]}.json"
+    if kept.is_file():
+        return json.loads(kept.read_text())
+    result = compute()
+    kept.parent.mkdir(parents=True, exist_ok=True)
+    partial = kept.with_name(f"{kept.name}.partial-{os.getpid()}")
+    partial.write_text(json.dumps(result))
+    partial.replace(kept)  # whole or absent
+    return result
+
+
 def hf_reference_folder(gguf: Path) -> Path:
     """Where transformers' own load of `gguf` is kept once per machine: keyed like ladle's conversion
     (the GGUF's size and content) and by the transformers version that read it."""
@@ -283,9 +307,16 @@ def labelled_server() -> Iterator[Server]:
 @pytest.fixture(scope="session")
 def labelled_examples(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tickets labelled set, every other example of each split (112 to fit, 48 held out), for the
-    end-to-end fits on the labelled server (test_calibrate_cli, test_heads_cli): the same prompts for
-    both, so the second finds them cached."""
-    return every_other_example(tmp_path_factory.mktemp("labelled"))
+    end-to-end calibration fit on the labelled server (test_calibrate_cli)."""
+    return every_nth_example(tmp_path_factory.mktemp("labelled"), 2)
+
+
+@pytest.fixture(scope="session")
+def labelled_quarter(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Every fourth example of each split (56 to fit, 24 held out) for the head fit (test_heads_cli),
+    which reads each prompt's hidden states twice more (fit, then served): a subset of
+    labelled_examples, so its decisions are found in the labelled server's prefix cache."""
+    return every_nth_example(tmp_path_factory.mktemp("labelled-quarter"), 4)
 
 
 @pytest.fixture(scope="module")

@@ -146,12 +146,12 @@ def labelled_set_args(server: Server, name: str = "tickets", heldout: bool = Tru
     return args + ["--question", str(examples / f"{name}.question.json")]
 
 
-def every_other_example(out: Path, name: str = "tickets") -> Path:
-    """The example labelled set `name` with every other line of its fit and held-out splits (labels in
-    the same proportions), in `out`: the end-to-end fits over half the prefills."""
+def every_nth_example(out: Path, step: int, name: str = "tickets") -> Path:
+    """The example labelled set `name` with every `step`-th line of its fit and held-out splits (labels
+    in about the same proportions), in `out`: the end-to-end fits over a share of the prefills."""
     for split in ("fit", "heldout"):
         lines = (EXAMPLES / f"{name}.{split}.jsonl").read_text().splitlines(keepends=True)
-        (out / f"{name}.{split}.jsonl").write_text("".join(lines[::2]))
+        (out / f"{name}.{split}.jsonl").write_text("".join(lines[::step]))
     shutil.copy(EXAMPLES / f"{name}.question.json", out)
     return out
 

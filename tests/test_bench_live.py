@@ -36,7 +36,7 @@ def _histogram(text: str, name: str) -> tuple[float, float]:
 
 def test_sweep_on_loopback(server: Server, tmp_path: Path):
     rc = ladle_main(["bench", "sweep", "--base-url", server.url, "--model", MODEL, "--num-prompts", "8",
-                     "--random-input-len", "32", "--random-output-len", "8", "--loads", "1,2,4,8",
+                     "--random-input-len", "32", "--random-output-len", "8", "--loads", "4,8,16,32",
                      "--goodput", "ttft:2000", "tpot:500", "--result-dir", str(tmp_path),
                      "--result-filename", "live.json", "--disable-tqdm"])
     assert rc == 0

@@ -22,17 +22,17 @@ def test_replay_is_bit_identical_and_order_moves_answers(labelled_server: Server
     server.wait_idle()
     # the server is shared with the other labelled-set tests: the reference pass must be computed cold
     assert httpx.post(f"{server.url}/reset_prefix_cache").status_code == 200
-    code = main(["calibrate", "check", *labelled_set_args(server, heldout=False), "--limit", "40", "--order-sample", "8",
+    code = main(["calibrate", "check", *labelled_set_args(server, heldout=False), "--limit", "24", "--order-sample", "8",
                  "--repeats", "2", "--report-dir", str(tmp_path)])
     printed = capsys.readouterr().out
     assert code == 0, printed
     report = json.loads((tmp_path / "check.json").read_text())
-    assert report["n_examples"] == 40 and report["model"] == server.model and report["failures"] == []
+    assert report["n_examples"] == 24 and report["model"] == server.model and report["failures"] == []
     assert set(report["replay"]) == set(CONDITIONS) == {"warm", "alone", "batched", "mixed"}
     for name, c in report["replay"].items():
         assert c["passes"] == 2 and len(c["per_pass"]) == 2, name
         assert (c["choice_flips"], c["max_abs_dp"], c["max_abs_dlabel_mass"]) == (0, 0.0, 0.0), (name, c)
-    assert report["replay"]["alone"]["concurrency"] == 1 and report["replay"]["batched"]["concurrency"] == 40
+    assert report["replay"]["alone"]["concurrency"] == 1 and report["replay"]["batched"]["concurrency"] == 24
     assert all(n > 0 for n in report["replay"]["mixed"]["chat_chunks_while_scoring"])  # decode really overlapped
     order = report["order"]
     assert order["n_examples"] == 8 and len(order["permutations"]) == 4

@@ -23,6 +23,7 @@ from tiny_models import build_tiny_model
 from ladle import LLM, SamplingParams
 from ladle.model.config import ModelConfig
 from ladle.model.hub import hub_model_path
+from ladle.model.kernels import loader
 from ladle.model.loader import resolve_model_path
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0)
@@ -37,6 +38,7 @@ def hub_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]
 
     cache = tmp_path / "hub"
     cache.mkdir()
+    loader.native_kernels()  # loaded (or built once per machine) from the usual cache: only models go private
     monkeypatch.setenv("HF_HUB_CACHE", str(cache))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("LADLE_CACHE_DIR", str(tmp_path / "ladle-cache"))
