@@ -174,13 +174,14 @@ def isa_kernels(request, monkeypatch: pytest.MonkeyPatch) -> Iterator[NativeKern
 
 def kept_reference(name: str, inputs: list[Path | str], compute: Callable[[], Any]) -> Any:
     """A reference result computed once per machine: compute()'s JSON kept in the ladle cache, keyed by
-    `inputs` (files by their bytes, strings as they are) and the versions of the libraries references
-    come from, so a changed input or library computes it afresh."""
+    `inputs` (files by their bytes, strings as they are), the versions of the libraries references
+    come from and torch's CPU capability, so a changed input, library or capability computes it afresh."""
     import peft
     import transformers
 
-    key = hashlib.sha256(f"{name} torch {torch.__version__} transformers {transformers.__version__} "
-                         f"peft {peft.__version__}".encode())
+    # torch's kernels for this CPU capability (make test-avx2 forces AVX2) round the reference their way
+    key = hashlib.sha256(f"{name} torch {torch.__version__} {torch.backends.cpu.get_cpu_capability()} "
+                         f"transformers {transformers.__version__} peft {peft.__version__}".encode())
     for item in inputs:
         key.update(item.read_bytes() if isinstance(item, Path) else item.encode())
         key.update(b"\0")
