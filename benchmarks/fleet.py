@@ -214,9 +214,9 @@ def run_layout(args: argparse.Namespace, work: Path, layout: str, rate: float,
             router = start_router(stack, work, f"colo-{rate}",
                                   ["--policy", "least_load", "--worker", workers[0], "--worker", workers[1]])
         else:
-            producer = {"kv_role": "kv_producer", "kv_port": free_port()}
+            producer, consumer = {"kv_role": "kv_producer", "kv_port": free_port()}, {"kv_role": "kv_consumer"}
             p, d = start_serves(stack, work, [(f"prefill-{rate}", ["--kv-transfer-config", json.dumps(producer)]),
-                                              (f"decode-{rate}", ["--kv-transfer-config", '{"kv_role": "kv_consumer"}'])])
+                                              (f"decode-{rate}", ["--kv-transfer-config", json.dumps(consumer)])])
             router = start_router(stack, work, f"pd-{rate}", ["--prefill", p, "--decode", d])
         target = Target(base_url=router, model="SmolLM2-135M-Instruct", ignore_eos=True,
                         extra_body={"temperature": 0.0})

@@ -37,8 +37,8 @@ def adapters(lora_adapters) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def references(hf_smollm2, adapters) -> dict[str | None, list[list[int]]]:
     """peft's greedy continuation of every prompt, per adapter (None: the base model). Kept once per
-    machine (conftest.kept_reference), keyed by the base weights, the adapters' files and the prompts:
-    transformers decodes ~15 s for it."""
+    machine (conftest.kept_reference), keyed by the base model's folder (named by its GGUF's content),
+    the adapters' files and the prompts: transformers decodes ~15 s for it."""
     base, tok = hf_smollm2
 
     def compute() -> dict[str, list[list[int]]]:
