@@ -43,6 +43,10 @@ os.environ.setdefault("LADLE_DTYPE", "float32")
 # Without a GPU, Triton kernels run on the CPU under Triton's interpreter (set before triton is imported).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("TRITON_INTERPRET") == "1":
+    from triton_interpreter import skip_repeated_patching
+
+    skip_repeated_patching()
 
 
 # The labelled-set CLI modules share one labelled server (and its prefix cache): one worker runs them all.

@@ -191,6 +191,16 @@ def test_rotary_qkv_in_place(dtype: torch.dtype, d: int) -> None:
     assert torch.equal(x.cpu(), expected) and torch.equal(padded[..., :8], edges)
 
 
+def test_rotary_over_more_heads_than_one_program_takes() -> None:
+    """70 heads of 128: two programs per token (64 heads each), the second one partly masked."""
+    t, heads, d = 3, 70, 128
+    x = randn(t, heads, d, dtype=torch.float16, seed=31) * 2
+    cos, sin = rope_tables(t, d, torch.float16, seed=32)
+    expected = ref_rotary(x, cos, sin)
+    ops.rotary(x, cos, sin)
+    assert torch.equal(x.cpu(), expected)
+
+
 # -- silu_and_mul ------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -84,12 +84,13 @@ def _add_rms_norm_kernel(h_ptr, a_ptr, w_ptr, out_ptr, stride_h, stride_a, eps,
 
 
 @triton.jit
-def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, stride_xt, stride_xh, stride_ct, stride_st,
-                   HALF: tl.constexpr, BLOCK: tl.constexpr):
+def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, heads, stride_xt, stride_xh, stride_ct, stride_st,
+                   HALF: tl.constexpr, BLOCK: tl.constexpr, HEADS: tl.constexpr):
+    # one token's cos and sin rows, loaded once for its HEADS heads [HEADS, BLOCK]
     t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    cols = tl.arange(0, BLOCK)
-    mask = cols < HALF
+    h = tl.program_id(1) * HEADS + tl.arange(0, HEADS)[:, None]
+    cols = tl.arange(0, BLOCK)[None, :]
+    mask = (h < heads) & (cols < HALF)
     dtype = x_ptr.dtype.element_ty
     x_ptr += t * stride_xt + h * stride_xh
     cos_ptr += t * stride_ct
@@ -97,10 +98,10 @@ def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, stride_xt, stride_xh, stride_ct, str
     # in place: both halves are read before either is written
     x1 = tl.load(x_ptr + cols, mask=mask).to(tl.float32)
     x2 = tl.load(x_ptr + HALF + cols, mask=mask).to(tl.float32)
-    c1 = tl.load(cos_ptr + cols, mask=mask).to(tl.float32)
-    c2 = tl.load(cos_ptr + HALF + cols, mask=mask).to(tl.float32)
-    s1 = tl.load(sin_ptr + cols, mask=mask).to(tl.float32)
-    s2 = tl.load(sin_ptr + HALF + cols, mask=mask).to(tl.float32)
+    c1 = tl.load(cos_ptr + cols, mask=cols < HALF).to(tl.float32)
+    c2 = tl.load(cos_ptr + HALF + cols, mask=cols < HALF).to(tl.float32)
+    s1 = tl.load(sin_ptr + cols, mask=cols < HALF).to(tl.float32)
+    s2 = tl.load(sin_ptr + HALF + cols, mask=cols < HALF).to(tl.float32)
     # x * cos + cat(x2, x1) * sin, the sign of rotate_half being in sin; three roundings
     out1 = _round(x1 * c1, dtype) + _round(x2 * s1, dtype)
     out2 = _round(x2 * c2, dtype) + _round(x1 * s2, dtype)
@@ -170,9 +171,13 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     assert x.stride(2) == 1 and d % 2 == 0
     assert cos.dtype == sin.dtype == x.dtype and cos.shape == sin.shape == (t, 1, d)
     assert cos.stride(2) == sin.stride(2) == 1
-    block, warps = _block(d // 2)
-    _rotary_kernel[(t, heads)](x, cos, sin, x.stride(0), x.stride(1), cos.stride(0), sin.stride(0),
-                               HALF=d // 2, BLOCK=block, num_warps=warps, enable_fp_fusion=False)
+    block = triton.next_power_of_2(d // 2)
+    # a program per token and up to 4096 elements of its heads (of 128-wide heads, 64 at once)
+    per_program = min(triton.next_power_of_2(heads), max(1, 4096 // block))
+    _, warps = _block(per_program * block)
+    _rotary_kernel[(t, triton.cdiv(heads, per_program))](
+        x, cos, sin, heads, x.stride(0), x.stride(1), cos.stride(0), sin.stride(0), HALF=d // 2, BLOCK=block,
+        HEADS=per_program, num_warps=warps, enable_fp_fusion=False)
     return x
 
 
