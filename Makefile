@@ -5,11 +5,12 @@ PYTHON ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+DOCS_STAMP := $(VENV)/.docs-installed
 # pytest-xdist workers: one per core up to 4, each module on one worker (TEST_WORKERS=0 runs in-process)
 TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); echo $$(( n < 4 ? n : 4 )))
 PYTEST := $(BIN)/python -m pytest -q -n $(TEST_WORKERS)
 
-.PHONY: serve test test-fast test-avx2 bench clean
+.PHONY: serve test test-fast test-avx2 bench docs clean
 
 $(STAMP): pyproject.toml requirements.lock
 	$(PYTHON) -m venv $(VENV)
@@ -39,5 +40,14 @@ test-avx2: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python benchmarks/throughput.py
 
+$(DOCS_STAMP): $(STAMP)
+	$(BIN)/pip install --quiet -c requirements.lock -e '.[docs]'
+	touch $(DOCS_STAMP)
+
+# The documentation site, into site/: offline, and --strict, so a broken link or anchor, a page left out
+# of the nav or a missing image fails the build (mkdocs.yml; the reference pages come from docs/hooks.py).
+docs: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict  # the warning: Material's end-of-life notice
+
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) site

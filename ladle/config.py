@@ -149,25 +149,38 @@ def add_engine_arguments(parser) -> None:
     g.add_argument("--download-dir", default=None,
                    help="hub cache to look in and download to (default: huggingface_hub's, $HF_HUB_CACHE "
                         "or $HF_HOME/hub)")
-    g.add_argument("--served-model-name", default=None)
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs)
-    g.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens)
-    g.add_argument("--long-prefill-token-threshold", type=int, default=0)
-    g.add_argument("--block-size", type=int, default=EngineConfig.block_size)
+    g.add_argument("--served-model-name", default=None,
+                   help="the name the API serves the model under, in /v1/models and requests' `model` (default: "
+                        "the model's folder or file name, or the hub id as given)")
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="longest sequence, prompt plus output, in tokens (default: the model's context); never more "
+                        "than the model's context or the KV pool holds")
+    g.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs,
+                   help="most sequences running at once; further requests wait in the queue")
+    g.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens,
+                   help="token budget of one step: decodes plus prefill chunks (at least --block-size)")
+    g.add_argument("--long-prefill-token-threshold", type=int, default=0,
+                   help="largest prefill chunk one sequence gets in a step, in tokens, so a long prompt leaves "
+                        "room for others (0: only the step's budget limits it)")
+    g.add_argument("--block-size", type=int, default=EngineConfig.block_size,
+                   help="tokens per KV block, the unit the KV pool is allocated and prefixes are cached in")
     g.add_argument("--kv-cache-memory-gib", type=float, default=None,
                    help=f"memory preallocated for the paged KV cache (default: {CPU_KV_CACHE_GIB} GiB on the CPU; "
                         "on CUDA what --gpu-memory-utilization leaves after weights and a profiled forward)")
     g.add_argument("--num-kv-blocks", type=int, default=None, help="exact KV pool size in blocks (overrides memory)")
     g.add_argument("--scheduling-policy", "--schedule-policy", choices=SCHEDULING_POLICIES, default="fcfs",
                    help="fcfs, priority (request field `priority`, lower runs sooner) or lpm (longest cached prefix first)")
-    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the K/V of prompt prefixes computed before (a radix tree of KV blocks, the least "
+                        "recently used evicted first; default: on)")
     g.add_argument("--no-prefix-cache", dest="enable_prefix_caching", action="store_false",
                    help="same as --no-enable-prefix-caching")
     g.add_argument("--max-waiting-requests", type=int, default=None,
                    help="queue bound: past it new requests get 429 with Retry-After")
     g.add_argument("--num-threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0,
+                   help="seeds the sampling of requests that set no seed of their own, and --load-format "
+                        "dummy's random weights")
     g.add_argument("--deterministic", action="store_true",
                    help="batch-invariant numerics: a prompt's logits are bit-identical cold or cached, "
                         "alone or batched (slower attention)")
@@ -180,8 +193,9 @@ def add_engine_arguments(parser) -> None:
                    help="KV cache dtype; auto follows --dtype; int8 and fp8 (e4m3) store 8 bits with a float scale "
                         "per token and KV head: 3.8x float32's tokens in the same memory at head size 64")
     g.add_argument("--quantization", "-q", default="auto", choices=QUANTIZATIONS,
-                   help="auto: weights as the checkpoint holds them (a GGUF's Q8_0/Q4_0/Q4_1 blocks served as "
-                        "grouped int8, float tensors as float); none: everything dequantised to float; int8: "
+                   help="auto: weights as the checkpoint holds them (a GGUF's blocks served as grouped integers "
+                        "with their scales: Q8_0 and Q6_K one to a byte, Q4_0, Q4_1 and Q4_K two to a byte; "
+                        "float tensors as float); none: everything dequantised to float; int8: "
                         "float weights also quantised at load to int8 with a scale per output row")
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, as vLLM takes it: \'{"method": "ngram", "num_speculative_tokens": 4, '

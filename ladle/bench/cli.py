@@ -47,7 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sweep.add_argument("--loads", type=str, default=None, help="explicit loads, e.g. 1,2,4,8")
     sweep.add_argument("--start", type=float, default=1.0, help="first load (without --loads)")
     sweep.add_argument("--factor", type=float, default=2.0, help="load multiplier per step (without --loads)")
-    sweep.add_argument("--max-steps", type=int, default=10)
+    sweep.add_argument("--max-steps", type=int, default=10,
+                       help="loads to step through without --loads: --start times --factor to the power 0, 1, "
+                            "... (the sweep may stop sooner)")
     sweep.add_argument("--knee-fraction", type=float, default=0.9,
                        help="goodput must stay within this fraction of the offered load for the knee")
     sweep.add_argument("--stop-fraction", type=float, default=0.5, help="stop once goodput < this x its peak")
@@ -61,8 +63,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _add_common(p: argparse.ArgumentParser, num_prompts: int) -> None:
     t = p.add_argument_group("target")
     t.add_argument("--base-url", default=None, help="server root, e.g. http://127.0.0.1:8000 (a trailing /v1 is fine)")
-    t.add_argument("--host", default="127.0.0.1")
-    t.add_argument("--port", type=int, default=8000)
+    t.add_argument("--host", default="127.0.0.1", help="server host, used without --base-url")
+    t.add_argument("--port", type=int, default=8000, help="server port, used without --base-url")
     t.add_argument("--endpoint", default="/v1/completions", help="/v1/completions or /v1/chat/completions")
     t.add_argument("--model", default=None, help="served model name (default: the first of /v1/models)")
     t.add_argument("--api-key", default=None, help="bearer token (default: $OPENAI_API_KEY)")
@@ -70,65 +72,94 @@ def _add_common(p: argparse.ArgumentParser, num_prompts: int) -> None:
     t.add_argument("--request-timeout", type=float, default=6 * 3600.0, help="seconds per request")
 
     d = p.add_argument_group("dataset")
-    d.add_argument("--dataset", "--dataset-name", dest="dataset", choices=DATASETS, default="random")
+    d.add_argument("--dataset", "--dataset-name", dest="dataset", choices=DATASETS, default="random",
+                   help="the workload: random (random-word prompts of set lengths), sharegpt (the conversations "
+                        "of --dataset-path), prefix (a few shared system prompts, each request with its own "
+                        "tail), agent (multi-turn tool-calling sessions), decisions (POST /v1/decisions requests)")
     d.add_argument("--dataset-path", default=None, help="ShareGPT JSON file (--dataset sharegpt)")
     d.add_argument("--num-prompts", type=int, default=num_prompts, help="requests per run (per step in a sweep)")
     d.add_argument("--input-len", type=int, default=None, help="sets --random-input-len")
     d.add_argument("--output-len", type=int, default=None, help="sets every dataset's output length")
-    d.add_argument("--random-input-len", type=int, default=1024)
-    d.add_argument("--random-output-len", type=int, default=128)
-    d.add_argument("--random-range-ratio", type=float, default=0.0)
-    d.add_argument("--random-prefix-len", type=int, default=0)
-    d.add_argument("--sharegpt-output-len", type=int, default=None)
-    d.add_argument("--prefix-len", "--prefix-repetition-prefix-len", dest="prefix_len", type=int, default=512)
+    d.add_argument("--random-input-len", type=int, default=1024,
+                   help="random: prompt tokens per request after the shared prefix (the mean, with "
+                        "--random-range-ratio)")
+    d.add_argument("--random-output-len", type=int, default=128,
+                   help="random: output tokens per request, sent as max_tokens with ignore_eos (the mean, with "
+                        "--random-range-ratio)")
+    d.add_argument("--random-range-ratio", type=float, default=0.0,
+                   help="random: input and output lengths drawn uniformly from [len x (1 - r), len x (1 + r)], "
+                        "r in [0, 1)")
+    d.add_argument("--random-prefix-len", type=int, default=0,
+                   help="random: tokens of one random prefix shared by every prompt")
+    d.add_argument("--sharegpt-output-len", type=int, default=None,
+                   help="sharegpt: output tokens (max_tokens) of every request (default: the length of the "
+                        "conversation's reply)")
+    d.add_argument("--prefix-len", "--prefix-repetition-prefix-len", dest="prefix_len", type=int, default=512,
+                   help="prefix: tokens of each shared system prompt")
     d.add_argument("--prefix-suffix-len", "--prefix-repetition-suffix-len", dest="prefix_suffix_len", type=int,
-                   default=128)
+                   default=128, help="prefix: tokens of each request's own tail after its shared prompt")
     d.add_argument("--prefix-num-prefixes", "--prefix-repetition-num-prefixes", dest="prefix_num_prefixes",
-                   type=int, default=1)
+                   type=int, default=1, help="prefix: distinct shared prompts, the requests spread evenly over them")
     d.add_argument("--prefix-output-len", "--prefix-repetition-output-len", dest="prefix_output_len", type=int,
-                   default=128)
-    d.add_argument("--agent-turns", type=int, default=6)
-    d.add_argument("--agent-system-len", type=int, default=1024)
+                   default=128, help="prefix: output tokens (max_tokens) per request")
+    d.add_argument("--agent-turns", type=int, default=6,
+                   help="agent: turns per session, each prompt extending the previous turn's (--num-prompts "
+                        "counts turns)")
+    d.add_argument("--agent-system-len", type=int, default=1024,
+                   help="agent: tokens of the system prompt every session shares")
     d.add_argument("--agent-burst-len", type=int, default=256, help="typical tokens of one tool result")
-    d.add_argument("--agent-output-len", type=int, default=64)
+    d.add_argument("--agent-output-len", type=int, default=64, help="agent: output tokens (max_tokens) per turn")
     d.add_argument("--agent-think-time", type=float, default=0.0, metavar="SECONDS",
                    help="mean time a tool call runs before the session's next turn (seeded, exponential; "
                         "not counted in TTFT or queue time)")
-    d.add_argument("--decisions-input-len", type=int, default=256)
-    d.add_argument("--decisions-questions", type=int, default=3)
-    d.add_argument("--decisions-options", type=int, default=4)
+    d.add_argument("--decisions-input-len", type=int, default=256,
+                   help="decisions: tokens of each request's input text")
+    d.add_argument("--decisions-questions", type=int, default=3,
+                   help="decisions: questions per request (choice, yes/no and score in turn)")
+    d.add_argument("--decisions-options", type=int, default=4,
+                   help="decisions: options of each choice question (held to 2..26)")
     d.add_argument("--tokens-per-word", type=float, default=None,
                    help="prompt tokens per generated word (default: measured via /tokenize, else 1.0)")
     d.add_argument("--no-tokenize", action="store_true", help="do not calibrate prompt lengths via /tokenize")
 
     r = p.add_argument_group("load and measurement")
     r.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of inter-arrival times (1 = Poisson)")
-    r.add_argument("--max-concurrency", type=int, default=None)
-    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--max-concurrency", type=int, default=None,
+                   help="most requests in flight at once, the rest waiting their turn (default: no limit; "
+                        "a sweep --by concurrency sets it per step)")
+    r.add_argument("--seed", type=int, default=0,
+                   help="seeds the sampled prompts and the arrival times, so a run repeats (a sweep's step i "
+                        "samples its prompts with seed + i)")
     r.add_argument("--goodput", nargs="+", metavar="KEY:MS", help="SLOs, e.g. ttft:500 tpot:50 e2el:10000")
     r.add_argument("--percentiles", "--metric-percentiles", dest="percentiles", default="99",
                    help="comma-separated percentiles, e.g. 50,90,99")
     r.add_argument("--percentile-metrics", default=",".join(LATENCY_METRICS), help="metrics shown in the table")
     r.add_argument("--ignore-eos", action="store_true", help="send ignore_eos (always on for --dataset random)")
-    r.add_argument("--temperature", type=float, default=None)
-    r.add_argument("--top-p", type=float, default=None)
-    r.add_argument("--top-k", type=int, default=None)
+    r.add_argument("--temperature", type=float, default=None,
+                   help="sampling temperature sent in every request (default: none sent, the server's own)")
+    r.add_argument("--top-p", type=float, default=None,
+                   help="top_p sent in every request (default: none sent, the server's own)")
+    r.add_argument("--top-k", type=int, default=None,
+                   help="top_k sent in every request (default: none sent, the server's own)")
     r.add_argument("--extra-body", type=json.loads, default=None, help="JSON merged into every request body")
     r.add_argument("--skip-initial-test", action="store_true", help="do not send one test request first")
     r.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
 
     o = p.add_argument_group("output")
     o.add_argument("--label", default=None, help="result file prefix (default: openai or openai-chat)")
-    o.add_argument("--result-dir", default=None)
-    o.add_argument("--result-filename", default=None)
+    o.add_argument("--result-dir", default=None,
+                   help="folder for the result JSON, and a sweep's PNG (default: the current one)")
+    o.add_argument("--result-filename", default=None,
+                   help="file name of the result JSON (default: made of the label or sweep axis, the load, the "
+                        "model and the date)")
 
 
 def _add_voice(p: argparse.ArgumentParser) -> None:
     p.set_defaults(endpoint=CHAT)
     t = p.add_argument_group("target")
     t.add_argument("--base-url", default=None, help="server root, e.g. http://127.0.0.1:8000 (a trailing /v1 is fine)")
-    t.add_argument("--host", default="127.0.0.1")
-    t.add_argument("--port", type=int, default=8000)
+    t.add_argument("--host", default="127.0.0.1", help="server host, used without --base-url")
+    t.add_argument("--port", type=int, default=8000, help="server port, used without --base-url")
     t.add_argument("--model", default=None, help="served model name (default: the first of /v1/models)")
     t.add_argument("--api-key", default=None, help="bearer token (default: $OPENAI_API_KEY)")
     t.add_argument("--header", nargs="*", metavar="KEY=VALUE", help="extra HTTP headers")
@@ -152,15 +183,16 @@ def _add_voice(p: argparse.ArgumentParser) -> None:
     s.add_argument("--skip-warmup", action="store_true", help="do not warm the system prompts first")
 
     r = p.add_argument_group("requests")
-    r.add_argument("--max-tokens", type=int, default=64)
-    r.add_argument("--temperature", type=float, default=0.0)
+    r.add_argument("--max-tokens", type=int, default=64, help="longest reply in tokens (max_tokens of each request)")
+    r.add_argument("--temperature", type=float, default=0.0, help="sampling temperature sent in every request")
     r.add_argument("--seed", type=int, default=0, help="sent as the requests' seed")
     r.add_argument("--extra-body", type=json.loads, default=None, help="JSON merged into every request body")
     r.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
 
     o = p.add_argument_group("output")
-    o.add_argument("--result-dir", default=None)
-    o.add_argument("--result-filename", default=None)
+    o.add_argument("--result-dir", default=None, help="folder for the result JSON (default: the current one)")
+    o.add_argument("--result-filename", default=None,
+                   help="file name of the result JSON (default: voice-concurrencyN-MODEL-DATE.json)")
     o.add_argument("--plot", default=None, metavar="PATH", help="write the latency distributions as a PNG")
 
 

@@ -33,12 +33,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="calibrate_command", metavar="{fit,check}", required=True)
     fit = sub.add_parser("fit", help="fit a calibration and report it on held-out examples")
     add_server_and_data_arguments(fit)
-    fit.add_argument("--method", choices=METHODS, default="temperature")
+    fit.add_argument("--method", choices=METHODS, default="temperature",
+                     help="temperature: one T, never changes the choice; platt: yes/no questions; vector: a "
+                          "weight and a bias per option; isotonic: a monotone map per option; contextual: a "
+                          "content-free input's probabilities divided out; pride: the option-position prior, "
+                          "estimated under every cyclic option order, divided out")
     fit.add_argument("--out", type=Path, required=True, help="the calibration file to write (JSON)")
     fit.add_argument("--heldout", type=Path, default=None,
                      help="held-out JSONL (default: a seeded quarter of --data, never used for fitting)")
     fit.add_argument("--report-dir", type=Path, default=None, help="write report.json and reliability.png here")
-    fit.add_argument("--seed", type=int, default=0)
+    fit.add_argument("--seed", type=int, default=0,
+                     help="seeds the split that holds out a quarter of --data (unused with --heldout)")
     fit.add_argument("--concurrency", type=int, default=4, help="requests in flight")
     fit.add_argument("--content-free", default="N/A", help="the content-free input of --method contextual")
     fit.add_argument("--prior-sample", type=int, default=16,

@@ -35,7 +35,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                           "position alone (cheaper to serve when many questions share one cached input)")
     fit.add_argument("--C", dest="strengths", default="0.01,0.1,1",
                      help="inverse regularisation strengths to try (comma-separated)")
-    fit.add_argument("--seed", type=int, default=0)
+    fit.add_argument("--seed", type=int, default=0,
+                     help="seeds the split that holds out a quarter of --data (without --heldout) and the "
+                          "cross-validation folds")
     fit.add_argument("--concurrency", type=int, default=4, help="requests in flight")
 
 

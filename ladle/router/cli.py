@@ -38,8 +38,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="cache_aware: characters of text remembered per worker (default 2**22)")
     s = parser.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
-    s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--uvicorn-log-level", choices=LOG_LEVELS, default="warning")
+    s.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    s.add_argument("--uvicorn-log-level", choices=LOG_LEVELS, default="warning",
+                   help="log level of uvicorn, the HTTP server (default warning); info, debug and trace also "
+                        "log a line per HTTP request (its access log)")
 
 
 def config_from_args(args: argparse.Namespace) -> RouterConfig:

@@ -18,11 +18,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_arguments(parser)
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
-    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--port", type=int, default=8000, help="port to listen on")
     g.add_argument("--api-key", default=os.environ.get("LADLE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $LADLE_API_KEY, else none)")
     g.add_argument("--max-request-body-bytes", type=int, default=None, help="larger bodies get 413 (default 16 MiB)")
-    g.add_argument("--uvicorn-log-level", choices=LOG_LEVELS, default="info")
+    g.add_argument("--uvicorn-log-level", choices=LOG_LEVELS, default="info",
+                   help="log level of uvicorn, the HTTP server; at info, debug and trace it also logs a line "
+                        "per HTTP request (its access log)")
     g.add_argument("--root-path", default="", help="the path prefix a proxy serves ladle under (FastAPI root_path)")
     g.add_argument("--allowed-origins", type=json_list, default=None, metavar="JSON",
                    help='origins browsers may call from (CORS), e.g. \'["http://localhost:3000"]\' or \'["*"]\' '
