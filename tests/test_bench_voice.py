@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -389,11 +390,14 @@ def test_resumed_and_changed_finals_cancel_drafts(cancel: str):
                      "The name is Alvarez."]
     resumed_draft, changed_draft = chats[0], chats[2]
     # cancelled while streaming: the resumed one (0.2 -> 0.52 s) after 6 of 20 chunks, the changed one
-    # (0.3 -> 0.66 s) after 7
+    # (0.3 -> 0.66 s) after 7, each cancel 20 ms from a chunk: on a loaded machine (a draft leaving late,
+    # a cancel sent late) one chunk fewer or more, and a chunk more for every 0.04 s the bench fell behind
     for draft, rec, chunks in ((resumed_draft, first, 6), (changed_draft, second, 7)):
-        assert draft.ended == cancel and draft.chunks == chunks
+        assert draft.ended == cancel
+        assert chunks - 1 <= draft.chunks <= chunks + 1 + math.ceil(lateness(rec, app) / 0.04), (draft.chunks, chunks)
         # the route reads the usage to its end; a disconnect counts the chunks that arrived
-        assert rec.wasted_tokens == chunks if cancel == "route" else chunks - 1 <= rec.wasted_tokens <= chunks
+        sent = draft.chunks
+        assert rec.wasted_tokens == sent if cancel == "route" else sent - 1 <= rec.wasted_tokens <= sent
     assert chats[1].ended == chats[3].ended == "finished"
     # the fresh request left at the end of turn: first token 0.1 s later
     assert within(second.first_token_ms, 0.66 - 0.15 + 0.1, lateness(second, app))
