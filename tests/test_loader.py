@@ -12,11 +12,12 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
-from gguf import GGUFReader, GGUFWriter
-from gguf.quants import dequantize, quantize
+from gguf import GGUFReader, GGUFValueType, GGUFWriter
+from gguf.quants import dequantize, quant_shape_to_byte_shape, quantize
 
 from ladle.model.config import ModelConfig
 from ladle.model.gguf import convert_gguf
+from ladle.model.gguf_file import read_gguf
 from ladle.model.loader import default_gguf_path, gguf_cache_path, load_weights, resolve_model_path
 from ladle.model.quantization import GroupedWeight
 from ladle.model.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -197,6 +198,49 @@ def _assert_tokenizer_is_transformers_own(gguf_path: Path, folder: Path, out: Pa
     AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name).save_pretrained(str(out))
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         assert (folder / name).read_bytes() == (out / name).read_bytes(), name
+
+
+def assert_read_as_gguf_py_reads(path: Path) -> None:
+    """ladle's GGUF reader against gguf-py's GGUFReader: every key's value (type included) and every
+    tensor's name, type, dims and data."""
+    theirs, ours = GGUFReader(path), read_gguf(path)
+    assert list(ours.metadata) == [k for k in theirs.fields if not k.startswith("GGUF.")]
+    for key, value in ours.metadata.items():
+        expected = theirs.fields[key].contents()
+        assert value == expected and type(value) is type(expected), key
+        if isinstance(value, list) and value:
+            assert type(value[0]) is type(expected[0]), key
+    assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors]
+    for mine, their in zip(ours.tensors, theirs.tensors):
+        assert (mine.tensor_type, mine.shape.tolist(), mine.n_elements) == \
+            (their.tensor_type, their.shape.tolist(), their.n_elements), mine.name
+        assert mine.data.dtype == their.data.dtype and mine.data.shape == their.data.shape, mine.name
+        assert np.array_equal(mine.data, their.data, equal_nan=True), mine.name
+
+
+def test_the_gguf_reader_reads_what_gguf_py_reads(tmp_path: Path) -> None:
+    assert_read_as_gguf_py_reads(default_gguf_path())  # Q4_1 and Q8_0 blocks, F32 norms, a 49k vocabulary
+    path = tmp_path / "every-kind.gguf"
+    w = GGUFWriter(str(path), "llama")
+    for i, (kind, value) in enumerate([(GGUFValueType.UINT8, 7), (GGUFValueType.INT8, -7), (GGUFValueType.UINT16, 700),
+                                       (GGUFValueType.INT16, -700), (GGUFValueType.UINT32, 7 << 20),
+                                       (GGUFValueType.INT32, -7 << 20), (GGUFValueType.FLOAT32, 0.1),
+                                       (GGUFValueType.BOOL, True), (GGUFValueType.STRING, "héllo"),
+                                       (GGUFValueType.UINT64, 7 << 40), (GGUFValueType.INT64, -7 << 40),
+                                       (GGUFValueType.FLOAT64, 0.1)]):
+        w.add_key_value(f"test.scalar.{i}", value, kind)
+    w.add_key_value("test.floats", [0.5, -1.25, 3.0], GGUFValueType.ARRAY, sub_type=GGUFValueType.FLOAT32)
+    w.add_key_value("test.ints", [1, -2, 3], GGUFValueType.ARRAY, sub_type=GGUFValueType.INT32)
+    w.add_key_value("test.strings", ["a", "", "ünï"], GGUFValueType.ARRAY, sub_type=GGUFValueType.STRING)
+    rng = np.random.default_rng(0)
+    w.add_tensor("f32", rng.standard_normal((3, 5)).astype(np.float32))
+    w.add_tensor("f16", rng.standard_normal((2, 4)).astype(np.float16))
+    w.add_tensor("i32", rng.integers(-9, 9, (7,), dtype=np.int32))
+    blocks = rng.standard_normal((4, 64)).astype(np.float32)
+    w.add_tensor("q8", quantize(blocks, Q.Q8_0), raw_shape=quant_shape_to_byte_shape(blocks.shape, Q.Q8_0),
+                 raw_dtype=Q.Q8_0)
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    assert_read_as_gguf_py_reads(path)
 
 
 def test_conversion_is_atomic(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -13,11 +13,11 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGUFReader, ReaderTensor
 from gguf.quants import dequantize
 from safetensors.torch import save_file
 
 from ladle.model import gguf_blocks
+from ladle.model.gguf_file import GGUFFile, GGUFTensor, read_gguf
 from ladle.model.loader import GROUPED_SUFFIXES
 
 HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
@@ -60,9 +60,8 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _meta(reader: GGUFReader, key: str, default: Any = None) -> Any:
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
+def _meta(reader: GGUFFile, key: str, default: Any = None) -> Any:
+    return reader.metadata.get(key, default)
 
 
 def _f32(x: float) -> float:
@@ -83,7 +82,7 @@ def _llama3_scaling(freqs: np.ndarray, head_dim: int, theta: float) -> dict[str,
     return cand if np.allclose(expect, freqs, rtol=1e-3) else None
 
 
-def gguf_config(reader: GGUFReader) -> dict[str, Any]:
+def gguf_config(reader: GGUFFile) -> dict[str, Any]:
     """The HF config.json dict for a llama / qwen2 / qwen3 GGUF file."""
     arch = _meta(reader, "general.architecture")
     if arch not in HF_ARCHITECTURES:
@@ -143,14 +142,14 @@ def gguf_config(reader: GGUFReader) -> dict[str, Any]:
     return cfg
 
 
-def _hf_tensor(t: ReaderTensor, cfg: dict[str, Any]) -> torch.Tensor:
+def _hf_tensor(t: GGUFTensor, cfg: dict[str, Any]) -> torch.Tensor:
     w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
     w = w.reshape(_hf_shape(t))
     # a copy: F32 data is a read-only mmap view
     return torch.from_numpy(np.array(_unpermuted(w, t.name, cfg), dtype=np.float32, order="C"))
 
 
-def _hf_shape(t: ReaderTensor) -> list[int]:
+def _hf_shape(t: GGUFTensor) -> list[int]:
     return [int(d) for d in reversed(t.shape.tolist())]  # GGUF dims are reversed numpy dims
 
 
@@ -162,7 +161,7 @@ def _unpermuted(rows: np.ndarray, gguf_name: str, cfg: dict[str, Any]) -> np.nda
     return rows
 
 
-def _grouped_tensors(t: ReaderTensor, name: str, cfg: dict[str, Any]) -> dict[str, torch.Tensor]:
+def _grouped_tensors(t: GGUFTensor, name: str, cfg: dict[str, Any]) -> dict[str, torch.Tensor]:
     """A linear weight's quantised blocks as NAME.qweight / .qscales (/ .qmins), exactly
     (ladle.model.gguf_blocks); the loader turns them back into one grouped weight."""
     rows, cols = _hf_shape(t)
@@ -180,7 +179,7 @@ def _is_linear(gguf_name: str) -> bool:
                                            and gguf_name.endswith(".weight"))
 
 
-def _hf_tensors(t: ReaderTensor, name: str, cfg: dict[str, Any]) -> dict[str, torch.Tensor]:
+def _hf_tensors(t: GGUFTensor, name: str, cfg: dict[str, Any]) -> dict[str, torch.Tensor]:
     """What the converted folder holds for one GGUF tensor: its float values (so the folder stays one
     transformers loads), and a linear weight's blocks as they are (a tied embedding's as the LM head's)."""
     out = {name: _hf_tensor(t, cfg)}
@@ -192,7 +191,7 @@ def _hf_tensors(t: ReaderTensor, name: str, cfg: dict[str, Any]) -> dict[str, to
     return out
 
 
-def _write_weights(reader: GGUFReader, cfg: dict[str, Any], out: Path) -> None:
+def _write_weights(reader: GGUFFile, cfg: dict[str, Any], out: Path) -> None:
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for t in reader.tensors:
@@ -261,7 +260,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
-        reader = GGUFReader(gguf_path)
+        reader = read_gguf(gguf_path)
         cfg = gguf_config(reader)
         _write_weights(reader, cfg, tmp)
         del reader
