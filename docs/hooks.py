@@ -9,7 +9,6 @@ tests/test_docs.py holds equal to a live server's. (The Python API pages use mkd
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 from pathlib import Path
 from typing import Any
@@ -29,14 +28,9 @@ def on_page_markdown(markdown: str, **_: Any) -> str:
 
 
 def cli_reference() -> str:
-    from ladle.cli import SUBCOMMANDS
+    from ladle.cli import SUBCOMMANDS, subcommand_parser
 
-    sections = []
-    for name, (module, summary) in SUBCOMMANDS.items():
-        parser = argparse.ArgumentParser(prog=f"ladle {name}", description=summary)
-        importlib.import_module(module).add_arguments(parser)
-        sections.append(parser_section(parser, level=2))
-    return "\n".join(sections)
+    return "\n".join(parser_section(subcommand_parser(name), level=2) for name in SUBCOMMANDS)
 
 
 def parser_section(parser: argparse.ArgumentParser, level: int) -> str:

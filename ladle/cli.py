@@ -31,12 +31,17 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)
         parser.print_help()
         return 0 if args.command is None else 2
-    module = importlib.import_module(SUBCOMMANDS[argv[0]][0])
-    cmd_parser = argparse.ArgumentParser(prog=f"ladle {argv[0]}", description=SUBCOMMANDS[argv[0]][1])
-    module.add_arguments(cmd_parser)
-    args = cmd_parser.parse_args(argv[1:])
+    args = subcommand_parser(argv[0]).parse_args(argv[1:])
     args.argv = argv[1:]  # as typed: `ladle serve --data-parallel-size N` hands them on to each replica
-    return int(module.run(args) or 0)
+    return int(importlib.import_module(SUBCOMMANDS[argv[0]][0]).run(args) or 0)
+
+
+def subcommand_parser(name: str) -> argparse.ArgumentParser:
+    """`ladle NAME`'s parser, with every flag its module adds (the docs' reference is read from it too)."""
+    module, help_text = SUBCOMMANDS[name]
+    parser = argparse.ArgumentParser(prog=f"ladle {name}", description=help_text)
+    importlib.import_module(module).add_arguments(parser)
+    return parser
 
 
 def _version() -> str:

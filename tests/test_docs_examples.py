@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib
 import io
 import json
 import os
@@ -32,14 +31,10 @@ MAKE_TARGETS = set(re.findall(r"^([\w.-]+):", (ROOT / "Makefile").read_text(), r
 @contextlib.contextmanager
 def serve_with_flags(flags: str) -> Iterator[Server]:
     """`ladle serve FLAGS`, in this process: the flags parsed by its own parser, as the CLI builds it."""
-    from ladle.config import engine_config_from_args
-    from ladle.decisions.extensions import Extensions
-    from ladle.server.cli import app_options
+    from ladle.server.cli import serving_config
 
-    args = ladle_parser("serve").parse_args(shlex.split(flags))
-    config = engine_config_from_args(args)
-    extensions = Extensions.load("SmolLM2-135M-Instruct", args.decision_calibration, args.decision_head)
-    with own_server(config, decision_extensions=extensions, **app_options(args)) as server:
+    config, _, app_args = serving_config(ladle_parser("serve").parse_args(shlex.split(flags)))
+    with own_server(config, **app_args) as server:
         yield server
 
 
@@ -57,12 +52,10 @@ def served() -> Iterator[Callable[[str], Server]]:
 
 
 def ladle_parser(subcommand: str) -> argparse.ArgumentParser:
-    from ladle.cli import SUBCOMMANDS
+    from ladle.cli import SUBCOMMANDS, subcommand_parser
 
     assert subcommand in SUBCOMMANDS, f"ladle has no subcommand {subcommand!r}"
-    parser = argparse.ArgumentParser(prog=f"ladle {subcommand}")
-    importlib.import_module(SUBCOMMANDS[subcommand][0]).add_arguments(parser)
-    return parser
+    return subcommand_parser(subcommand)
 
 
 def pointed_at(code: str, url: str) -> str:

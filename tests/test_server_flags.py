@@ -15,6 +15,7 @@ import openai
 import pytest
 from server_utils import GREEDY, HELLO, MODEL, ServerThread
 
+from ladle.cli import subcommand_parser
 from ladle.server import cli as serve_cli
 from ladle.server.app import create_app
 
@@ -24,9 +25,7 @@ TEMPLATE = ("{% for m in messages %}[{{ m['role'] | upper }}] {{ m['content'] }}
 
 
 def parse(*argv: str) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    serve_cli.add_arguments(parser)
-    return parser.parse_args(list(argv))
+    return subcommand_parser("serve").parse_args(list(argv))
 
 
 @contextmanager

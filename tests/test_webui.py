@@ -21,6 +21,7 @@ import pytest
 from server_utils import MODEL, Server, ServerThread, own_server
 
 from ladle.config import EngineConfig
+from ladle.cli import subcommand_parser
 from ladle.server import cli as serve_cli
 from ladle.server.app import create_app
 
@@ -225,9 +226,7 @@ def test_page_works_under_root_path(browser, server: Server) -> None:
 
 
 def parse(*argv: str) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    serve_cli.add_arguments(parser)
-    return parser.parse_args(list(argv))
+    return subcommand_parser("serve").parse_args(list(argv))
 
 
 def test_webui_is_on_by_default_and_no_webui_turns_it_off(server: Server) -> None:

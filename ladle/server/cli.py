@@ -8,7 +8,7 @@ import logging
 import os
 import sys
 
-from ladle.config import add_engine_arguments, engine_config_from_args
+from ladle.config import EngineConfig, add_engine_arguments, engine_config_from_args
 from ladle.tools.parsers import TOOL_CALL_PARSERS
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
@@ -105,6 +105,19 @@ def app_options(args: argparse.Namespace) -> dict:
                 else args.max_stored_responses)
 
 
+def serving_config(args: argparse.Namespace) -> tuple[EngineConfig, str, dict]:
+    """The engine's config, the served model name and create_app's keyword arguments (the decision
+    calibrations and heads included) for these flags."""
+    from ladle.decisions.extensions import Extensions
+    from ladle.server.context import served_model_name
+
+    options = app_options(args)
+    config = engine_config_from_args(args)
+    name = served_model_name(config)
+    options["decision_extensions"] = Extensions.load(name, args.decision_calibration, args.decision_head)
+    return config, name, options
+
+
 def auto_tool_call_parser(args: argparse.Namespace) -> str | None:
     """The parser for tool_choice "auto", or None when the server does not serve "auto"."""
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
@@ -125,22 +138,17 @@ def run(args: argparse.Namespace) -> int:
         return run_fleet(args, getattr(args, "argv", None) or sys.argv[2:])
     import uvicorn
 
-    from ladle.decisions.extensions import Extensions
     from ladle.engine.async_engine import AsyncEngine
     from ladle.engine.engine import LLMEngine
     from ladle.server.app import create_app
-    from ladle.server.context import served_model_name
 
     try:
-        options = app_options(args)
-        config = engine_config_from_args(args)
-        name = served_model_name(config)
-        extensions = Extensions.load(name, args.decision_calibration, args.decision_head)
+        config, name, options = serving_config(args)
         engine = AsyncEngine(LLMEngine(config))
     except (FileNotFoundError, KeyError, ValueError) as e:  # a bad model path, flag or file: say so, no traceback
         print(f"ladle serve: {e}", file=sys.stderr)
         return 2
-    app = create_app(engine, name, decision_extensions=extensions, **options)
+    app = create_app(engine, name, **options)
     if args.enable_log_requests:
         _log_requests_to_stderr()
     host = f"[{args.host}]" if ":" in args.host else args.host
