@@ -18,6 +18,12 @@ from typing import Any
 WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if WORKERS > 1:
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // WORKERS)))
+# Triton's interpreter computes tl.dot with np.matmul. OpenBLAS's Haswell sgemm kernel (what numpy picks
+# on AVX2-only CPUs) rounds an element differently by where its row or column sits in the tile, which a
+# GPU's MMA never does, so the kernels' bit-for-bit batch invariance would fail there for numpy's sake.
+# The Sandybridge kernel sums every element the same way wherever it sits, on any AVX CPU (read when
+# numpy loads OpenBLAS: before torch is imported).
+os.environ.setdefault("OPENBLAS_CORETYPE", "Sandybridge")
 
 import openai
 import pytest

@@ -4,7 +4,7 @@ Without a GPU the kernels run under Triton's interpreter (tests/conftest.py), on
 interpreter rounds float32 -> bfloat16 by truncation, not to nearest even, so bf16 cases are
 marked `cuda`; float16 and float32 run everywhere. References are always computed on the CPU
 (ladle's torch path there is what the kernels must match). Rotary must match bit for bit, and
-so must silu_and_mul in bf16 (checked on every finite gate value). The norms sum
+silu_and_mul on every finite float16 gate value must be float64's silu rounded once. The norms sum
 their squares in another order than torch: in float16/bf16 that can flip the rounded norm by
 one ulp, which the weight multiply carries to at most two ulps of the output; in float32 the
 variance's last bits reach the output too. Where the sum of squares is exact, the norms match
@@ -29,9 +29,9 @@ MANTISSA = {torch.float32: 23, torch.float16: 10, torch.bfloat16: 7}
 # (about 2 ulps in float32), which flips float16's rounding of silu by an ulp on a few gates there
 # (2 ulps after the product); bf16 keeps too few bits for it to show: exact on every gate on an H200.
 SILU_FP16 = 1 if DEVICE == "cuda" else 0
+FLOAT32_SLACK = 2.0**-20  # silu's relative error in float32 (16 ulps: exp, add and divide), before rounding
 ULPS = {("norm", torch.float32): 5, ("norm", torch.float16): 2, ("norm", torch.bfloat16): 2,
-        ("silu", torch.float32): 5, ("silu", torch.float16): 2 * SILU_FP16, ("silu", torch.bfloat16): 0,
-        ("act", torch.float16): SILU_FP16, ("act", torch.bfloat16): 0}
+        ("silu", torch.float32): 5, ("silu", torch.float16): 2 * SILU_FP16, ("silu", torch.bfloat16): 0}
 
 
 @pytest.fixture(autouse=True)
@@ -216,12 +216,19 @@ def test_silu_and_mul(dtype: torch.dtype, i: int) -> None:
 @pytest.mark.parametrize("dtype", [torch.float16, pytest.param(torch.bfloat16, marks=pytest.mark.cuda)])
 @pytest.mark.filterwarnings("ignore:overflow encountered")  # the interpreter's exp2 of huge gates: inf, as meant
 def test_silu_every_gate(dtype: torch.dtype) -> None:
-    """silu rounded to the dtype on every finite gate value (up = 1): where it is exact, so is
-    silu_and_mul on all inputs, its product being rounded once from an exact float32 product."""
+    """silu on every finite gate value (up = 1) is float64's silu rounded once to the dtype, but where
+    that value lies within float32's evaluation error of a tie, where either neighbour is right. The
+    float32 exp differs by a few ulps between CPUs (torch's reference on an AVX2-only EPYC rounds one
+    float16 gate the other way from float64, where the kernel does not) and on a GPU (its exp2 is
+    approximate); an error of one ulp in the dtype anywhere else fails."""
     gate = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(dtype)
     gate = gate[gate.isfinite()]
     gate_up = torch.cat((gate, torch.ones_like(gate))).view(1, -1).to(DEVICE)
-    assert ulps(ops.silu_and_mul(gate_up), ref_silu_and_mul(gate_up)) <= ULPS["act", dtype]
+    out = ops.silu_and_mul(gate_up).cpu()[0]
+    g = gate.double()
+    exact = g / (1 + torch.exp(-g))
+    low, high = (exact * (1 - FLOAT32_SLACK)).to(dtype), (exact * (1 + FLOAT32_SLACK)).to(dtype)
+    assert ((out == low) | (out == high)).all(), gate[(out != low) & (out != high)][:8]
 
 
 # -- transformers' own modules, float32 --------------------------------------------------------------
