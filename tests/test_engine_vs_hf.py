@@ -6,7 +6,6 @@ each with transformers' `generate` on that prompt alone.
 
 from __future__ import annotations
 
-import json
 import weakref
 from pathlib import Path
 
@@ -14,7 +13,6 @@ import pytest
 import torch
 
 from ladle import LLM, SamplingParams
-from ladle.model.config import ModelConfig
 from tiny_models import build_tiny_model
 
 pytestmark = pytest.mark.isa  # results depend on the instruction set: make test-avx2 runs these again
@@ -138,65 +136,6 @@ def test_tiny_models_logprobs_match_transformers(tiny, case: str) -> None:
     if case == "chunked32":
         longest = max(len(llm.tokenizer.encode(prompt)) for prompt in PROMPTS)
         assert longest > 2 * ENGINE_CASES[case]["max_num_batched_tokens"]
-
-
-# -- sliding-window attention, which ladle does not implement: refused when it would matter --------------
-
-
-@pytest.mark.parametrize("kind, overrides", [
-    ("mistral", {"sliding_window": 2048}),  # the window covers max_position_embeddings: plain causal attention
-    # transformers slides only layers >= max_window_layers: with 2 layers, none
-    ("qwen2", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 2}),
-], ids=["mistral-window-covers-context", "qwen2-no-sliding-layer"])
-def test_sliding_window_that_never_applies_loads_and_matches_transformers(tmp_path: Path, smollm2_dir: Path,
-                                                                         kind: str, overrides: dict) -> None:
-    from transformers import AutoModelForCausalLM
-
-    folder = build_tiny_model(kind, tmp_path / kind, smollm2_dir, **overrides)
-    assert json.loads((folder / "config.json").read_text())["sliding_window"] == overrides["sliding_window"]
-    hf_model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    check_greedy_batch(LLM(str(folder), dtype="float32"), hf_model, "plain")  # prompts run past 8 tokens
-
-
-@pytest.mark.parametrize("kind, overrides", [
-    ("mistral", {"sliding_window": 8}),
-    ("qwen2", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}),
-    ("qwen3", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 0}),
-], ids=["mistral", "qwen2", "qwen3"])
-def test_sliding_window_models_are_refused(tmp_path: Path, smollm2_dir: Path, kind: str, overrides: dict) -> None:
-    from transformers import AutoConfig
-
-    folder = build_tiny_model(kind, tmp_path / kind, smollm2_dir, **overrides)
-    if kind != "mistral":  # transformers itself slides some layer of these (Mistral slides every layer)
-        assert "sliding_attention" in AutoConfig.from_pretrained(folder).layer_types
-    with pytest.raises(ValueError, match=r"sliding_window=8\b.*max_position_embeddings=2048") as err:
-        ModelConfig.from_folder(folder)
-    assert str(folder) in str(err.value)
-    with pytest.raises(ValueError, match="sliding_window=8"):
-        LLM(str(folder))
-
-
-def test_sliding_window_config_rules() -> None:
-    """Shapes of real configs: Mistral-7B-v0.1 (window 4096 of 32768) is refused; v0.2 (null) and the Qwen2.5s
-    (a sliding_window present but use_sliding_window false) load."""
-    base = {"vocab_size": 32000, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-            "num_attention_heads": 4, "max_position_embeddings": 32768}
-    with pytest.raises(ValueError, match=r"'mistralai/Mistral-7B-v0\.1'.*sliding_window=4096"):
-        ModelConfig.from_hf_dict({**base, "model_type": "mistral", "sliding_window": 4096},
-                                 name="mistralai/Mistral-7B-v0.1")
-    for ok in ({"model_type": "mistral", "sliding_window": None}, {"model_type": "mistral"},
-               {"model_type": "mistral", "sliding_window": 32768},
-               {"model_type": "qwen2", "sliding_window": 4096, "use_sliding_window": False, "max_window_layers": 0},
-               {"model_type": "qwen3", "sliding_window": 4096, "use_sliding_window": False, "max_window_layers": 0},
-               # transformers slides the layers from max_window_layers on, or those layer_types names
-               {"model_type": "qwen2", "sliding_window": 4096, "use_sliding_window": True, "max_window_layers": 2},
-               {"model_type": "qwen2", "sliding_window": 4096, "use_sliding_window": True, "max_window_layers": 0,
-                "layer_types": ["full_attention"] * 2}):
-        assert ModelConfig.from_hf_dict({**base, **ok}).max_position_embeddings == 32768, ok
-    for refused in ({"model_type": "qwen2", "max_window_layers": 1},
-                    {"model_type": "qwen3", "layer_types": ["full_attention", "sliding_attention"]}):
-        with pytest.raises(ValueError, match="sliding_window=4096"):
-            ModelConfig.from_hf_dict({**base, "sliding_window": 4096, "use_sliding_window": True, **refused})
 
 
 @pytest.mark.parametrize("case", ENGINE_CASES)

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ladle.model import kernels
+from ladle.model import kernels, kv_quant
 from ladle.model.kernels import loader
 from ladle.model.layers import BATCH_INVARIANT_ROWS, Linear, rms_norm
 
@@ -110,12 +110,14 @@ def paged_cache(gen: torch.Generator, blocks: int = 40, block_size: int = 16, kv
 
 
 def attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
-                        lens: torch.Tensor) -> torch.Tensor:
+                        lens: torch.Tensor, window: int | None = None) -> torch.Tensor:
+    """In float64: query b against the first lens[b] keys of its table (their last `window`, if given)."""
     _, block_size, kv_heads, d = k_cache.shape
     heads = q.shape[1]
     out = []
     for b, n in enumerate(lens.tolist()):
-        slots = [tables[b, t // block_size].item() * block_size + t % block_size for t in range(n)]
+        first = 0 if window is None else max(0, n - window)
+        slots = [tables[b, t // block_size].item() * block_size + t % block_size for t in range(first, n)]
         k = k_cache.reshape(-1, kv_heads, d)[slots].double().repeat_interleave(heads // kv_heads, dim=1)
         v = v_cache.reshape(-1, kv_heads, d)[slots].double().repeat_interleave(heads // kv_heads, dim=1)
         p = torch.softmax(torch.einsum("hd,thd->ht", q[b].double(), k) / d**0.5, dim=-1)
@@ -123,29 +125,41 @@ def attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     return torch.stack(out)
 
 
+def poison_below(cache: torch.Tensor, table: torch.Tensor, keys: int) -> torch.Tensor:
+    """The cache with NaN in the blocks of `table` that hold only keys below `keys`: a result that depends
+    on one of them (below a sliding window, where the pool may hand blocks on) is NaN."""
+    cache = cache.clone()
+    cache[table[: max(keys, 0) // cache.shape[1]]] = float("nan")
+    return cache
+
+
+@pytest.mark.parametrize("window", [None, 1, 20], ids=["whole", "window1", "window20"])
 @pytest.mark.parametrize("lens", [[1], [37], [16, 5, 160], [300], [1000, 900]])  # the last uses both threads
-def test_decode_attention_matches_torch(native, lens: list[int]) -> None:
+def test_decode_attention_matches_torch(native, lens: list[int], window: int | None) -> None:
     gen = torch.Generator().manual_seed(sum(lens))
     k_cache, v_cache = paged_cache(gen, blocks=80)
     width = max(-(-n // 16) for n in lens)
     tables = torch.stack([torch.randperm(80, generator=gen)[:width] for _ in lens])
     qkv = torch.randn(len(lens), (9 + 3) * 64, generator=gen)
     q = qkv[:, : 9 * 64].view(len(lens), 9, 64)  # strided rows, as the model passes them
-    out = native.decode_attention(q, k_cache, v_cache, tables, torch.tensor(lens), 64**-0.5)
+    expected = attention_reference(q, k_cache, v_cache, tables, torch.tensor(lens), window)
+    if window is not None and len(lens) == 1:
+        k_cache, v_cache = (poison_below(c, tables[0], lens[0] - window) for c in (k_cache, v_cache))
+    out = native.decode_attention(q, k_cache, v_cache, tables, torch.tensor(lens), 64**-0.5, window)
     assert out.shape == (len(lens), 9 * 64)
-    assert relative_error(out, attention_reference(q, k_cache, v_cache, tables, torch.tensor(lens))) < 1e-5
+    assert relative_error(out, expected) < 1e-5
 
 
 def prompt_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
-                     first: int) -> torch.Tensor:
+                     first: int, window: int | None = None) -> torch.Tensor:
     """Causal attention for rows at positions first.. in float64."""
     rows = q.shape[0]
     lens = torch.arange(first + 1, first + rows + 1)
-    return attention_reference(q, k_cache, v_cache, table.expand(rows, -1), lens)
+    return attention_reference(q, k_cache, v_cache, table.expand(rows, -1), lens, window)
 
 
 def prompt_attention(native, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     spans: list[tuple[torch.Tensor, int, int, int]]) -> torch.Tensor:
+                     spans: list[tuple[torch.Tensor, int, int, int]], window: int | None = None) -> torch.Tensor:
     """spans: (block table, first row, rows, first position). Rows no span covers stay NaN."""
     width = max(len(t) for t, *_ in spans)
     tables = torch.zeros(len(spans), width, dtype=torch.int64)
@@ -154,7 +168,7 @@ def prompt_attention(native, q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     out = torch.full((q.shape[0], q.shape[1] * q.shape[2]), float("nan"))
     native.prompt_attention(q, k_cache, v_cache, tables, torch.tensor([s[1] for s in spans]),
                             torch.tensor([s[2] for s in spans]), torch.tensor([s[3] for s in spans]),
-                            q.shape[2] ** -0.5, out)
+                            q.shape[2] ** -0.5, out, window=window)
     return out
 
 
@@ -171,20 +185,50 @@ def test_prompt_attention_matches_torch(native, rows: int, first: int, d: int, k
     assert relative_error(out, prompt_reference(q, k_cache, v_cache, table, first)) < 1e-5
 
 
-def test_prompt_attention_rows_do_not_depend_on_their_neighbours(native) -> None:
+@pytest.mark.parametrize(("rows", "first", "window"), [(37, 0, 5), (300, 0, 64), (33, 526, 100), (5, 90, 1),
+                                                       (40, 200, 13)])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.int8])
+def test_prompt_attention_with_a_sliding_window(native, rows: int, first: int, window: int,
+                                                kv_dtype: torch.dtype) -> None:
+    """Each row against its last `window` keys, in float64. The blocks below the first row's window
+    hold NaN (an 8-bit cache's scales too): nothing may depend on them, as the pool may hand them on."""
+    gen = torch.Generator().manual_seed(rows + first + window)
+    k_cache, v_cache = paged_cache(gen, blocks=80)
+    scales = {}
+    if kv_dtype == torch.int8:  # the reference reads what the kernel dequantises
+        (k_cache, ks), (v_cache, vs) = (kv_quant.quantize(c, torch.int8) for c in (k_cache, v_cache))
+        scales = {"k_scales": ks, "v_scales": vs}
+    table = torch.randperm(80, generator=gen)[: -(-(first + rows) // 16)]
+    q = torch.randn(rows, 9, 64, generator=gen)
+    if scales:
+        expected = prompt_reference(q, kv_quant.dequantize(k_cache, ks), kv_quant.dequantize(v_cache, vs), table,
+                                    first, window)
+        scales = {name: poison_below(s, table, first + 1 - window) for name, s in scales.items()}
+    else:
+        expected = prompt_reference(q, k_cache, v_cache, table, first, window)
+        k_cache, v_cache = (poison_below(c, table, first + 1 - window) for c in (k_cache, v_cache))
+    out = torch.full((rows, 9 * 64), float("nan"))
+    native.prompt_attention(q, k_cache, v_cache, table[None], torch.tensor([0]), torch.tensor([rows]),
+                            torch.tensor([first]), 64**-0.5, out, **scales, window=window)
+    assert relative_error(out, expected) < 1e-5
+
+
+@pytest.mark.parametrize("window", [None, 50], ids=["whole", "window50"])
+def test_prompt_attention_rows_do_not_depend_on_their_neighbours(native, window: int | None) -> None:
     """A row's bits are the same computed in one 600-row chunk, in a later chunk next to
     another sequence, or alone: what scoring and --deterministic rely on."""
     gen = torch.Generator().manual_seed(8)
     k_cache, v_cache = paged_cache(gen, blocks=80)
     table, other = torch.randperm(80, generator=gen)[:38], torch.randperm(80, generator=gen)[:3]
     q = torch.randn(600, 9, 64, generator=gen)
-    whole = prompt_attention(native, q, k_cache, v_cache, [(table, 0, 600, 0)])
+    whole = prompt_attention(native, q, k_cache, v_cache, [(table, 0, 600, 0)], window)
     neighbour = torch.randn(40, 9, 64, generator=gen)
     for first in (1, 13, 16, 523, 599):
         batch = torch.cat([neighbour, q[first:]])
-        chunk = prompt_attention(native, batch, k_cache, v_cache, [(other, 0, 40, 5), (table, 40, 600 - first, first)])
+        chunk = prompt_attention(native, batch, k_cache, v_cache, [(other, 0, 40, 5), (table, 40, 600 - first, first)],
+                                 window)
         assert torch.equal(chunk[40:], whole[first:]), first
-        alone = prompt_attention(native, q[first : first + 1], k_cache, v_cache, [(table, 0, 1, first)])
+        alone = prompt_attention(native, q[first : first + 1], k_cache, v_cache, [(table, 0, 1, first)], window)
         assert torch.equal(alone, whole[first : first + 1]), first
 
 

@@ -73,7 +73,8 @@ def build_rank_model(spec: RankSpec, rank: int, comm: ProcessGroupComm,
     local = shard.local_config(spec.cfg)
     kv = KVCache(local.num_hidden_layers, spec.num_blocks, spec.block_size, local.num_key_value_heads,
                  local.head_dim, dtype=spec.kv_dtype)
-    backend = TorchPagedAttention(kv, local.num_attention_heads, local.num_key_value_heads, local.head_dim)
+    backend = TorchPagedAttention(kv, local.num_attention_heads, local.num_key_value_heads, local.head_dim,
+                                  local.layer_windows)
     if weights is None:
         weights = load_weights(Path(spec.folder), spec.dtype)
     return LlamaForCausalLM(spec.cfg, weights, backend, spec.quantization, shard, comm), kv

@@ -166,14 +166,28 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.devic
     return torch.frombuffer(region, dtype=dtype).view(shape)  # the tensor keeps the mapping alive
 
 
-class TorchPagedAttention:
-    """Attention over the paged cache with plain torch ops (scaled_dot_product_attention)."""
+def window_mask(queries: torch.Tensor, keys: torch.Tensor, window: int | None) -> torch.Tensor:
+    """[len(queries), len(keys)] True where a query at that position attends to a key at that position:
+    causal, and within the last `window` positions under a sliding window (as transformers masks it)."""
+    seen = keys[None, :] <= queries[:, None]
+    if window is not None:
+        seen &= keys[None, :] > queries[:, None] - window
+    return seen
 
-    def __init__(self, cache: KVCache, num_heads: int, num_kv_heads: int, head_dim: int):
+
+class TorchPagedAttention:
+    """Attention over the paged cache with plain torch ops (scaled_dot_product_attention).
+
+    windows[layer]: that layer's sliding window (each query attends to its last `window` positions),
+    None where it attends to the whole context."""
+
+    def __init__(self, cache: KVCache, num_heads: int, num_kv_heads: int, head_dim: int,
+                 windows: tuple[int | None, ...] = ()):
         self.cache = cache
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
+        self.windows = windows
         # float32 caches take every native kernel; bfloat16 and 8-bit ones the prompt kernel
         # (decodes included) and the K/V writes; anything else stays on torch
         self._native_ok = cache.k.dtype in (torch.float32, torch.bfloat16, torch.int8, torch.float8_e4m3fn) \
@@ -187,12 +201,17 @@ class TorchPagedAttention:
             return kernels.native_kernels()
         return None
 
+    def window(self, layer: int) -> int | None:
+        return self.windows[layer] if layer < len(self.windows) else None
+
     def prepare(self, meta: AttentionMetadata) -> None:
-        """The decodes' key mask [B, 1, 1, max_blocks * block_size] (True: attend), for the torch path."""
+        """The decodes' key masks [B, 1, 1, max_blocks * block_size] (True: attend) for the torch path,
+        by window (None: the whole context)."""
         if meta.backend_data is None and meta.decode_block_tables is not None:
             device = self.cache.k.device
             keys = torch.arange(meta.decode_block_tables.shape[1] * self.cache.block_size, device=device)
-            meta.backend_data = (keys[None, :] < meta.decode_context_lens.to(device)[:, None])[:, None, None, :]
+            last = meta.decode_context_lens.to(device) - 1
+            meta.backend_data = {w: window_mask(last, keys, w)[:, None, None, :] for w in {None, *self.windows}}
 
     def write_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
         if self.cache.quantized:
@@ -249,7 +268,7 @@ class TorchPagedAttention:
             o32 = out if out.dtype == torch.float32 else torch.empty_like(out, dtype=torch.float32)
             native.prompt_attention(q.float(), self.cache.k[layer], self.cache.v[layer], rows.block_tables,
                                     rows.row_starts, rows.row_counts, rows.first_positions, self.head_dim**-0.5, o32,
-                                    **self._scales(layer))
+                                    **self._scales(layer), window=self.window(layer))
             if o32 is not out:
                 for span in meta.prefills:
                     if span.canonical:
@@ -275,11 +294,11 @@ class TorchPagedAttention:
             out = torch.empty(q.shape[0], self.num_heads * self.head_dim, dtype=torch.float32)
             native.prompt_attention(q.float(), self.cache.k[layer], self.cache.v[layer], rows.block_tables,
                                     rows.row_starts, rows.row_counts, rows.first_positions, self.head_dim**-0.5, out,
-                                    **self._scales(layer))
+                                    **self._scales(layer), window=self.window(layer))
             return out.to(q.dtype)
         if native is not None and self._decode_kernel_ok and q.dtype == torch.float32:  # K/V read in place
             return native.decode_attention(q, self.cache.k[layer], self.cache.v[layer], meta.decode_block_tables,
-                                           meta.decode_context_lens, self.head_dim**-0.5)
+                                           meta.decode_context_lens, self.head_dim**-0.5, self.window(layer))
         b = q.shape[0]
         group = self.num_heads // self.num_kv_heads
         # Grouped-query trick: the heads sharing one KV head attend as a group, so K/V
@@ -287,21 +306,22 @@ class TorchPagedAttention:
         qg = q.view(b, self.num_kv_heads, group, self.head_dim)
         k = self._gather(layer, "k", meta.decode_block_tables, q.dtype).transpose(1, 2)
         v = self._gather(layer, "v", meta.decode_block_tables, q.dtype).transpose(1, 2)
-        o = sdpa(qg, k, v, attn_mask=meta.backend_data)
+        o = sdpa(qg, k, v, attn_mask=meta.backend_data[self.window(layer)])
         return o.reshape(b, self.num_heads * self.head_dim)
 
     def _prefill(self, layer: int, span: PrefillSpan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         n = span.end - span.start
         qs = q[span.start : span.end].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
-        if span.context_len == n and not self.cache.quantized:  # nothing cached before: the fresh K/V
+        window = self.window(layer)
+        if span.context_len == n and not self.cache.quantized and window is None:  # nothing cached: fresh K/V
             ks = k[span.start : span.end]
             vs = v[span.start : span.end]
             mask, causal = None, True
         else:  # an 8-bit cache is read even for fresh tokens, so every path sees the same K/V
             ks = self._gather(layer, "k", span.block_table, q.dtype)[: span.context_len]
             vs = self._gather(layer, "v", span.block_table, q.dtype)[: span.context_len]
-            mask = torch.ones(n, span.context_len, dtype=torch.bool, device=q.device).tril(span.context_len - n)
-            causal = False
+            positions = torch.arange(span.context_len, device=q.device)
+            mask, causal = window_mask(positions[span.context_len - n :], positions, window), False
         ks = ks.transpose(0, 1).unsqueeze(0)
         vs = vs.transpose(0, 1).unsqueeze(0)
         o = sdpa(qs, ks, vs, attn_mask=mask, is_causal=causal, enable_gqa=True)
@@ -326,9 +346,10 @@ class TorchPagedAttention:
             # cache) is padded with zero queries back to the block start: SDPA's rows
             # depend on the tile's row count, not on the other rows' values.
             rows = F.pad(rows, (0, 0, 0, 0, pos - tile_start, 0)).transpose(0, 1)
-            causal = torch.ones(tile_end - tile_start, tile_end, dtype=torch.bool, device=q.device).tril(tile_start)
+            positions = torch.arange(tile_end, device=q.device)
+            seen = window_mask(positions[tile_start:], positions, self.window(layer))
             o = sdpa(rows.unsqueeze(0), keys[:, :tile_end].unsqueeze(0), values[:, :tile_end].unsqueeze(0),
-                     attn_mask=causal, enable_gqa=True)
+                     attn_mask=seen, enable_gqa=True)
             o = o[0, :, pos - tile_start :].transpose(0, 1)
             out.append(o.reshape(tile_end - pos, self.num_heads * self.head_dim))
             pos = tile_end

@@ -57,6 +57,13 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
     moe: MoEConfig | None = None  # Qwen2-MoE, Qwen3-MoE, Mixtral
+    # each layer's sliding window (it attends to the last `window` positions), None where it sees the whole
+    # context; empty: no layer has one
+    layer_windows: tuple[int | None, ...] = ()
+
+    @property
+    def sliding(self) -> bool:
+        return any(w is not None for w in self.layer_windows)
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any], name: str | None = None) -> "ModelConfig":
@@ -67,14 +74,7 @@ class ModelConfig:
                 f"unsupported model_type {model_type!r}; ladle runs {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
         max_positions = d.get("max_position_embeddings", 4096)
-        window = _sliding_window(d, model_type)
-        if window is not None and window < max_positions:
-            model = name or d.get("_name_or_path") or model_type
-            raise ValueError(
-                f"model {model!r} uses sliding-window attention (sliding_window={window}, smaller than its "
-                f"max_position_embeddings={max_positions}); ladle attends to the whole context and would compute "
-                "something else past the window, so it refuses this model"
-            )
+        windows = _layer_windows(d, model_type, d["num_hidden_layers"])
         heads = d["num_attention_heads"]
         eos = d.get("eos_token_id")
         eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
@@ -104,6 +104,8 @@ class ModelConfig:
             bos_token_id=d.get("bos_token_id"),
             moe=MoEConfig.from_hf_dict(d, model_type, d["num_hidden_layers"])
             if model_type in MOE_ARCHITECTURES else None,
+            # a window as long as the longest context changes nothing
+            layer_windows=windows if any(w is not None and w < max_positions for w in windows) else (),
         )
 
     @classmethod
@@ -111,21 +113,23 @@ class ModelConfig:
         return cls.from_hf_dict(json.loads((Path(folder) / "config.json").read_text()), name=str(folder))
 
 
-def _sliding_window(d: dict[str, Any], model_type: str) -> int | None:
-    """The attention window some layer of the model is limited to, as transformers reads the config;
-    None when every layer attends to the whole context."""
+def _layer_windows(d: dict[str, Any], model_type: str, num_layers: int) -> tuple[int | None, ...]:
+    """Each layer's sliding window as transformers reads the config (None: the whole context)."""
     window = d.get("sliding_window")
-    if window is None:
-        return None
+    if window is None or model_type == "llama":  # transformers' Llama has no window, whatever the config says
+        return ()
+    layer_types = d.get("layer_types")
     if model_type.startswith("qwen"):
         # Qwen configs carry a sliding_window that only applies with use_sliding_window, and then only to
         # the layers that layer_types marks (by default those from max_window_layers on)
         if not d.get("use_sliding_window", False):
-            return None
-        layer_types = d.get("layer_types")
-        if layer_types is not None:
-            if "sliding_attention" not in layer_types:
-                return None
-        elif d.get("max_window_layers", 28) >= d["num_hidden_layers"]:
-            return None
-    return int(window)
+            return ()
+        if layer_types is None:
+            layer_types = ["sliding_attention" if i >= d.get("max_window_layers", 28) else "full_attention"
+                           for i in range(num_layers)]
+    elif model_type in ("mistral", "mixtral"):  # transformers' Mistral and Mixtral window every layer
+        layer_types = ["sliding_attention"] * num_layers
+    if layer_types is None:
+        raise ValueError(f"sliding_window={window} on a {model_type} model: ladle does not know which layers it "
+                         "applies to")
+    return tuple(int(window) if kind == "sliding_attention" else None for kind in layer_types)

@@ -61,14 +61,16 @@ class Platform(ABC):
         runs a forward at the largest step the scheduler can make."""
         raise NotImplementedError(f"{self.name} sizes its KV pool from --kv-cache-memory-gib")
 
-    def attention_backend(self, cache: KVCache, num_heads: int, num_kv_heads: int, head_dim: int) -> AttentionBackend:
+    def attention_backend(self, cache: KVCache, num_heads: int, num_kv_heads: int, head_dim: int,
+                          windows: tuple[int | None, ...] = ()) -> AttentionBackend:
+        """windows: each layer's sliding window (ModelConfig.layer_windows)."""
         if self.attention == "triton":
             from ladle.model.triton.backend import TritonPagedAttention
 
-            return TritonPagedAttention(cache, num_heads, num_kv_heads, head_dim)
+            return TritonPagedAttention(cache, num_heads, num_kv_heads, head_dim, windows)
         from ladle.model.attention import TorchPagedAttention
 
-        return TorchPagedAttention(cache, num_heads, num_kv_heads, head_dim)
+        return TorchPagedAttention(cache, num_heads, num_kv_heads, head_dim, windows)
 
     def layer_ops(self) -> LayerOps:
         return triton_ops() if self.attention == "triton" else TORCH_OPS

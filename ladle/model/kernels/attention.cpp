@@ -59,23 +59,27 @@ float exp_shifted(float* p, int64_t n, float max) {
   return sum;
 }
 
-// One sequence, one KV head and the `group` query heads that share it.
+// The first key a query at `keys` keys (its position + 1) attends to: keys - window under a
+// sliding window, else 0.
+inline int64_t first_key(int64_t keys, int64_t window) { return window > 0 ? std::max<int64_t>(0, keys - window) : 0; }
+
+// One sequence, one KV head and the `group` query heads that share it: keys [lo, n).
 void attend_group(const float* q, const float* k_cache, const float* v_cache, const int64_t* table, int64_t n,
-                  int64_t kv_head, int64_t kv_heads, int64_t group, int64_t d, int64_t block_size, float scale,
-                  float* out, std::vector<float>& scores) {
+                  int64_t lo, int64_t kv_head, int64_t kv_heads, int64_t group, int64_t d, int64_t block_size,
+                  float scale, float* out, std::vector<float>& scores) {
   scores.resize(group * n);
-  for (int64_t t = 0; t < n; ++t) {
+  for (int64_t t = lo; t < n; ++t) {
     const float* k = k_cache + ((table[t / block_size] * block_size + t % block_size) * kv_heads + kv_head) * d;
     for (int64_t g = 0; g < group; ++g) scores[g * n + t] = dot(q + g * d, k, d) * scale;
   }
   for (int64_t g = 0; g < group; ++g) {
-    float* p = scores.data() + g * n;
-    const float inv_sum = 1.0f / exp_shifted(p, n, *std::max_element(p, p + n));
+    float* p = scores.data() + g * n + lo;
+    const float inv_sum = 1.0f / exp_shifted(p, n - lo, *std::max_element(p, p + n - lo));
     float* o = out + g * d;
     std::fill(o, o + d, 0.0f);
-    for (int64_t t = 0; t < n; ++t) {
+    for (int64_t t = lo; t < n; ++t) {
       const float* v = v_cache + ((table[t / block_size] * block_size + t % block_size) * kv_heads + kv_head) * d;
-      const float w = p[t] * inv_sum;
+      const float w = p[t - lo] * inv_sum;
       for (int64_t i = 0; i < d; ++i) o[i] += w * v[i];
     }
   }
@@ -84,13 +88,15 @@ void attend_group(const float* q, const float* k_cache, const float* v_cache, co
 }  // namespace
 
 // out[b, h*d] = softmax(q[b, h] . K[b]^T * scale) V[b] for b < batch, with K[b], V[b] the
-// first context_lens[b] tokens of the blocks in block_tables[b]. q rows are q_stride apart,
+// first context_lens[b] tokens of the blocks in block_tables[b] (the last `window` of them, if
+// window > 0: a sliding-window layer). q rows are q_stride apart,
 // each [heads, d] contiguous; the caches are one layer's [num_blocks, block_size, kv_heads, d].
 // Returns 0, or -1 (computing nothing) if a table or length points outside the cache.
 extern "C" int ladle_decode_attention(const float* q, int64_t q_stride, const float* k_cache, const float* v_cache,
                                       int64_t num_blocks, const int64_t* block_tables, int64_t max_blocks,
                                       const int64_t* context_lens, float* out, int64_t batch, int64_t heads,
-                                      int64_t kv_heads, int64_t d, int64_t block_size, float scale, int threads) {
+                                      int64_t kv_heads, int64_t d, int64_t block_size, float scale, int64_t window,
+                                      int threads) {
   const int64_t group = heads / kv_heads;
   int64_t tokens = 0;
   for (int64_t b = 0; b < batch; ++b) {
@@ -109,7 +115,7 @@ extern "C" int ladle_decode_attention(const float* q, int64_t q_stride, const fl
     for (int64_t task = 0; task < batch * kv_heads; ++task) {
       const int64_t b = task / kv_heads, kv_head = task % kv_heads;
       attend_group(q + b * q_stride + kv_head * group * d, k_cache, v_cache, block_tables + b * max_blocks,
-                   context_lens[b], kv_head, kv_heads, group, d, block_size, scale,
+                   context_lens[b], first_key(context_lens[b], window), kv_head, kv_heads, group, d, block_size, scale,
                    out + (b * heads + kv_head * group) * d, scores);
     }
   }
@@ -354,31 +360,36 @@ inline void prefetch_block(const KV* first, int64_t stride, int64_t n, int64_t d
 
 // One task: `rows` consecutive query rows of one sequence, all `group` query heads of one KV
 // head. Scores for every row first (block by block, so a block's keys stay in L1 for all
-// rows), then each row's softmax, then the values block by block.
+// rows), then each row's softmax, then the values block by block. A row attends to keys
+// [first_key, its position]: from 0, or its last `window` under a sliding window; the blocks
+// below the first row's window are never read.
 template <typename KV>
 void attend_prompt_rows(const PromptTask& t, const float* q, int64_t q_stride, const KV* k_cache,
                         const KV* v_cache, KVScales scales, const int64_t* table, int64_t first_pos,
-                        int64_t heads, int64_t kv_heads, int64_t d, int64_t block_size, float scale, float* out,
-                        int64_t out_stride, PromptScratch& scratch) {
+                        int64_t heads, int64_t kv_heads, int64_t d, int64_t block_size, float scale, int64_t window,
+                        float* out, int64_t out_stride, PromptScratch& scratch) {
   const int64_t group = heads / kv_heads, vectors = group * t.rows;
   const int64_t last_pos = first_pos + t.rows - 1;
   const int64_t blocks = last_pos / block_size + 1, width = blocks * block_size;
   const int64_t key_stride = kv_heads * d;
-  scratch.scores.resize(vectors * width);
+  const int64_t pitch = width + 8;  // a row's softmax from a key not 8-aligned zeroes up to 7 lanes past its last
+  scratch.scores.resize(vectors * pitch);
   scratch.acc.assign(vectors * d, 0.0f);
   // vector v: row v / group, head kv_head * group + v % group
   auto query = [&](int64_t v) { return q + (t.first_row + v / group) * q_stride + (t.kv_head * group + v % group) * d; };
-  auto keys_of = [&](int64_t v) { return first_pos + v / group + 1; };  // causal: keys [0, pos]
+  auto keys_of = [&](int64_t v) { return first_pos + v / group + 1; };  // causal: keys [.., pos]
+  auto lo_of = [&](int64_t v) { return first_key(keys_of(v), window); };
+  const int64_t first_block = lo_of(0) / block_size;
 
   auto block_of = [&](const KV* cache, int64_t b) { return cache + (table[b] * block_size * kv_heads + t.kv_head) * d; };
   // the scale of slot j of block b is scales_of(...)[j * kv_heads]
   auto scales_of = [&](const float* s, int64_t b) { return s + table[b] * block_size * kv_heads + t.kv_head; };
-  for (int64_t b = 0; b < blocks; ++b) {
+  for (int64_t b = first_block; b < blocks; ++b) {
     const int64_t start = b * block_size;
     const KV* k = block_of(k_cache, b);
     if (b + 1 < blocks) prefetch_block(block_of(k_cache, b + 1), key_stride, block_size, d);
     const int64_t first_vector = std::max<int64_t>(0, start - first_pos) * group;  // rows that see this block
-    auto scores = [&](int64_t v) { return scratch.scores.data() + v * width + start; };
+    auto scores = [&](int64_t v) { return scratch.scores.data() + v * pitch + start; };
     int64_t v = first_vector;
     for (; v + 1 < vectors; v += 2) {  // in pairs; v + 1 sees at least as many keys as v
       const int64_t n = std::min(block_size, keys_of(v + 1) - start);
@@ -396,22 +407,23 @@ void attend_prompt_rows(const PromptTask& t, const float* q, int64_t q_stride, c
   }
   scratch.inv_sum.resize(vectors);
   for (int64_t v = 0; v < vectors; ++v)
-    scratch.inv_sum[v] = 1.0f / softmax_numerators(scratch.scores.data() + v * width, keys_of(v));
-  for (int64_t b = 0; b < blocks; ++b) {
+    scratch.inv_sum[v] = 1.0f / softmax_numerators(scratch.scores.data() + v * pitch + lo_of(v), keys_of(v) - lo_of(v));
+  for (int64_t b = first_block; b < blocks; ++b) {
     const int64_t start = b * block_size;
     const KV* values = block_of(v_cache, b);
     if (b + 1 < blocks) prefetch_block(block_of(v_cache, b + 1), key_stride, block_size, d);
     const int64_t first_vector = std::max<int64_t>(0, start - first_pos) * group;
     const float* vs = scales.v ? scales_of(scales.v, b) : nullptr;
     for (int64_t v = first_vector; v < vectors; ++v) {
-      const int64_t n = std::min(block_size, keys_of(v) - start);
-      const float* w = scratch.scores.data() + v * width + start;
+      const int64_t j0 = std::max<int64_t>(0, lo_of(v) - start), n = std::min(block_size, keys_of(v) - start);
+      if (n <= j0) continue;  // the block is below this row's window
+      const float* w = scratch.scores.data() + v * pitch + start + j0;  // key j's weight is at key j
       if (vs) {  // each value's scale folded into its weight
         scratch.weights.resize(block_size);
-        for (int64_t j = 0; j < n; ++j) scratch.weights[j] = w[j] * vs[j * kv_heads];
+        for (int64_t j = j0; j < n; ++j) scratch.weights[j - j0] = w[j - j0] * vs[j * kv_heads];
         w = scratch.weights.data();
       }
-      add_weighted_values(w, values, key_stride, n, d, scratch.acc.data() + v * d);
+      add_weighted_values(w, values + j0 * key_stride, key_stride, n - j0, d, scratch.acc.data() + v * d);
     }
   }
   for (int64_t v = 0; v < vectors; ++v) {
@@ -425,8 +437,9 @@ void attend_prompt_rows(const PromptTask& t, const float* q, int64_t q_stride, c
 
 // Causal attention for prompt rows. Sequence s owns rows [row_starts[s], row_starts[s] +
 // row_counts[s]) of q and out, at absolute positions first_positions[s] onwards; each row
-// attends to keys [0, its position] of the blocks in block_tables[s], which must already
-// hold this step's K/V. q rows are q_stride apart, each [heads, d]; out rows out_stride apart.
+// attends to keys [0, its position] (its last `window` keys, if window > 0) of the blocks in
+// block_tables[s], which must already hold this step's K/V. q rows are q_stride apart, each
+// [heads, d]; out rows out_stride apart.
 // kv_type: 0 float32, 1 bfloat16, 2 int8, 3 fp8 e4m3 (the 8-bit ones with k_scales, v_scales).
 // Returns 0; -1 (computing nothing) if a table or position points outside the cache; -2 if
 // d or block_size is not a multiple of 8.
@@ -436,7 +449,7 @@ extern "C" int ladle_prompt_attention(const float* q, int64_t q_stride, const vo
                                       int64_t max_blocks, const int64_t* row_starts, const int64_t* row_counts,
                                       const int64_t* first_positions, float* out, int64_t out_stride,
                                       int64_t num_seqs, int64_t heads, int64_t kv_heads, int64_t d,
-                                      int64_t block_size, float scale, int threads) {
+                                      int64_t block_size, float scale, int64_t window, int threads) {
   if (d % 8 || block_size % 8) return -2;
   std::vector<PromptTask> tasks;
   int64_t work = 0;
@@ -469,7 +482,8 @@ extern "C" int ladle_prompt_attention(const float* q, int64_t q_stride, const vo
       auto attend = [&](auto* kv_type_tag, KVScales scales) {
         using KV = std::remove_const_t<std::remove_pointer_t<decltype(kv_type_tag)>>;
         attend_prompt_rows(t, q, q_stride, static_cast<const KV*>(k_cache), static_cast<const KV*>(v_cache), scales,
-                           table, first_pos, heads, kv_heads, d, block_size, scale, out, out_stride, scratch);
+                           table, first_pos, heads, kv_heads, d, block_size, scale, window, out, out_stride,
+                           scratch);
       };
       switch (kv_type) {
         case 1: attend(static_cast<uint16_t*>(nullptr), {}); break;

@@ -1,0 +1,150 @@
+"""Sliding-window attention against transformers: tiny random models whose window (8 tokens) is far
+shorter than the prompts, one windowing every layer (Mistral) and one alternating windowed and global
+layers (as Gemma 3 and gpt-oss do). Plain, chunked across the window's edge, preempted, from a
+prefix-cache hit longer than the window, without the native kernels; and canonical scoring
+bit-identical cold, cached and batched."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from test_deterministic import check_scoring_is_bit_identical, question
+from test_engine_vs_hf import ENGINE_CASES, LOGPROB_TOL, PROMPTS, check_logprobs, hf_greedy
+from tiny_models import build_tiny_model
+
+from ladle import LLM, SamplingParams
+from ladle.model.config import ModelConfig
+
+pytestmark = pytest.mark.isa  # results depend on the instruction set: make test-avx2 runs these again
+
+WINDOW = 8
+SLIDING = {
+    "mistral": ("mistral", {"sliding_window": WINDOW}),  # transformers' Mistral windows every layer
+    "alternating": ("qwen3", {"use_sliding_window": True, "sliding_window": WINDOW, "num_hidden_layers": 4,
+                              "layer_types": ["sliding_attention", "full_attention"] * 2}),
+}
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module", params=SLIDING)
+def sliding(request, tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path):
+    from transformers import AutoModelForCausalLM
+
+    kind, overrides = SLIDING[request.param]
+    folder = build_tiny_model(kind, tmp_path_factory.mktemp(request.param), smollm2_dir, **overrides)
+    hf_model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    return folder, hf_model
+
+
+def check_against_transformers(llm: LLM, hf_model, prompts: list[str] = PROMPTS, prompt_logprobs: bool = True) -> None:
+    """Greedy tokens equal to transformers' generate, and sampled (and prompt) logprobs within tolerance.
+    Prompt logprobs compute every prompt position: without them a prompt can start from the prefix cache."""
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=5,
+                            prompt_logprobs=1 if prompt_logprobs else None)
+    for prompt, res in zip(prompts, llm.generate(prompts, params), strict=True):
+        assert res.outputs[0].token_ids == hf_greedy(hf_model, res.prompt_token_ids, MAX_TOKENS), prompt
+        if prompt_logprobs:
+            assert check_logprobs(res, hf_model, 5) < LOGPROB_TOL, prompt
+        else:
+            ids = res.prompt_token_ids + res.outputs[0].token_ids
+            with torch.no_grad():
+                ref = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0].float(), dim=-1)
+            for i, lp in enumerate(res.outputs[0].logprobs, start=len(res.prompt_token_ids) - 1):
+                assert abs(lp.logprob - ref[i, lp.token_id].item()) < LOGPROB_TOL, prompt
+    assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks  # nothing leaked
+
+
+def test_the_windows_are_read_as_transformers_reads_them(sliding) -> None:
+    folder, hf_model = sliding
+    cfg = ModelConfig.from_folder(folder)
+    kinds = getattr(hf_model.config, "layer_types", None) or ["sliding_attention"] * cfg.num_hidden_layers  # Mistral
+    expected = [WINDOW if kind == "sliding_attention" else None for kind in kinds]
+    assert list(cfg.layer_windows) == expected and WINDOW in expected
+
+
+@pytest.mark.parametrize("case", ["plain", "chunked32", "preempting"])
+def test_sliding_models_match_transformers(sliding, case: str) -> None:
+    """chunked32: prefill chunks of 32 tokens, each crossing the window's edge; preempting: sequences
+    recomputed after losing their blocks."""
+    folder, hf_model = sliding
+    llm = LLM(str(folder), dtype="float32", **ENGINE_CASES[case])
+    assert max(len(llm.tokenizer.encode(p)) for p in PROMPTS) > 4 * WINDOW
+    check_against_transformers(llm, hf_model)
+    if case == "preempting":
+        assert llm.engine.scheduler.num_preemptions > 0
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_every_attention_path_matches_transformers(sliding, kernels: str, deterministic: bool) -> None:
+    """The native kernels and torch without them, each as batches compute (native decodes, masked SDPA
+    for prompts) and as --deterministic does (the row-invariant prompt kernel, or block-aligned tiles)."""
+    folder, hf_model = sliding
+    llm = LLM(str(folder), dtype="float32", deterministic=deterministic, **ENGINE_CASES["chunked32"])
+    assert (llm.engine.runtime_info()["kernels"] == "torch") == (kernels == "torch")
+    check_against_transformers(llm, hf_model, PROMPTS[3:])
+
+
+def test_a_prefix_cache_hit_longer_than_the_window(sliding) -> None:
+    """A prompt whose first 48+ tokens are cached: the sliding layers read only the cached K/V in
+    their window, the global ones all of it."""
+    folder, hf_model = sliding
+    llm = LLM(str(folder), dtype="float32")
+    prefix = PROMPTS[6]
+    llm.generate([prefix], SamplingParams(max_tokens=1))
+    hits = llm.engine.kv.stats.hits
+    check_against_transformers(llm, hf_model, [prefix + " The mission"], prompt_logprobs=False)
+    assert llm.engine.kv.stats.hits - hits >= 6 * WINDOW
+
+
+def test_scoring_is_bit_identical_cold_cached_and_batched(sliding, kernels: str) -> None:
+    """Label log-probabilities of a 200-token question: cold, cached, batched, and from a partly
+    shared block, the same bits, on the native kernels and on torch's block-aligned tiles; and
+    transformers' within tolerance."""
+    folder, hf_model = sliding
+    text = " ".join(["alpha", "ticket", "billing", "server", "network"] * 30)
+    check_scoring_is_bit_identical(folder, text, kernels, dtype="float32")
+    llm = LLM(str(folder), dtype="float32", max_num_batched_tokens=96)
+    prompt = question(llm, text, 0)
+    labels = [llm.tokenizer.encode(x)[0] for x in ("A", "B")]
+    got = llm.generate([prompt], SamplingParams(label_token_ids=labels))[0].outputs[0].label_logprobs
+    with torch.no_grad():
+        ref = torch.log_softmax(hf_model(torch.tensor([llm.tokenizer.encode(prompt)])).logits[0, -1].float(), dim=-1)
+    assert max(abs(g - ref[t].item()) for g, t in zip(got, labels, strict=True)) < LOGPROB_TOL
+
+
+def test_sliding_window_config_rules() -> None:
+    """Shapes of real configs: Mistral-7B-v0.1 windows every layer (4096 of 32768); v0.2 (null) and the
+    Qwen2.5s (a sliding_window present but use_sliding_window false) none; Qwen slides the layers from
+    max_window_layers on, or those layer_types names; a window as long as the context is none."""
+    base = {"vocab_size": 32000, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "max_position_embeddings": 32768}
+    cases = [
+        ({"model_type": "mistral", "sliding_window": 4096}, (4096, 4096)),
+        ({"model_type": "mixtral", "sliding_window": 4096, "num_local_experts": 4, "num_experts_per_tok": 2},
+         (4096, 4096)),
+        ({"model_type": "mistral", "sliding_window": None}, ()),
+        ({"model_type": "mistral"}, ()),
+        ({"model_type": "mistral", "sliding_window": 32768}, ()),
+        ({"model_type": "qwen2", "sliding_window": 4096, "use_sliding_window": False, "max_window_layers": 0}, ()),
+        ({"model_type": "qwen3", "sliding_window": 4096, "use_sliding_window": False, "max_window_layers": 0}, ()),
+        ({"model_type": "qwen2", "sliding_window": 4096, "use_sliding_window": True, "max_window_layers": 2}, ()),
+        ({"model_type": "qwen2", "sliding_window": 4096, "use_sliding_window": True, "max_window_layers": 1},
+         (None, 4096)),
+        ({"model_type": "qwen3", "sliding_window": 4096, "use_sliding_window": True,
+          "layer_types": ["sliding_attention", "full_attention"]}, (4096, None)),
+        ({"model_type": "qwen2", "sliding_window": 4096, "use_sliding_window": True, "max_window_layers": 0,
+          "layer_types": ["full_attention"] * 2}, ()),
+        # transformers' Llama has no window, whatever the config says
+        ({"model_type": "llama", "sliding_window": 4096}, ()),
+    ]
+    for extra, windows in cases:
+        assert ModelConfig.from_hf_dict({**base, **extra}).layer_windows == windows, extra
+
+
+def test_the_triton_kernels_refuse_a_window(sliding) -> None:
+    """The CUDA path's kernels have no window yet: refused at start, not served without one."""
+    folder, _ = sliding
+    with pytest.raises(ValueError, match="no sliding window yet"):
+        LLM(str(folder), dtype="float32", attention_backend="triton")
