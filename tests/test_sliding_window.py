@@ -1,6 +1,7 @@
 """Sliding-window attention against transformers: tiny random models whose window (8 tokens) is far
-shorter than the prompts, one windowing every layer (Mistral) and one alternating windowed and global
-layers (as Gemma 3 and gpt-oss do). Plain, chunked across the window's edge, preempted, from a
+shorter than the prompts: one windowing every layer (Mistral), one alternating windowed and global
+layers (Qwen3, as gpt-oss does), and Gemma 3 (alternating, each kind with its RoPE base, and Gemma's
+own norms, scales and gating). Plain, chunked across the window's edge, preempted, from a
 prefix-cache hit longer than the window, without the native kernels; and canonical scoring
 bit-identical cold, cached and batched."""
 
@@ -24,6 +25,7 @@ SLIDING = {
     "mistral": ("mistral", {"sliding_window": WINDOW}),  # transformers' Mistral windows every layer
     "alternating": ("qwen3", {"use_sliding_window": True, "sliding_window": WINDOW, "num_hidden_layers": 4,
                               "layer_types": ["sliding_attention", "full_attention"] * 2}),
+    "gemma3": ("gemma3", {}),  # tiny_models' Gemma 3 has a window of 8 on alternate layers
 }
 MAX_TOKENS = 12
 
@@ -148,3 +150,27 @@ def test_the_triton_kernels_refuse_a_window(sliding) -> None:
     folder, _ = sliding
     with pytest.raises(ValueError, match="no sliding window yet"):
         LLM(str(folder), dtype="float32", attention_backend="triton")
+
+
+def test_gemma3_config_rules() -> None:
+    """Gemma 3 configs as transformers 5 writes them (rope_parameters by layer type) and as the Hub's
+    checkpoints have them (rope_theta, rope_local_base_freq, linear scaling of the global layers only,
+    every sixth layer global); Gemma 2's soft-capping refused by name."""
+    base = {"model_type": "gemma3_text", "vocab_size": 262144, "hidden_size": 64, "intermediate_size": 128,
+            "num_hidden_layers": 12, "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 256,
+            "max_position_embeddings": 131072, "sliding_window": 1024}
+    hub = ModelConfig.from_hf_dict({**base, "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0,
+                                    "rope_scaling": {"rope_type": "linear", "factor": 8.0}, "query_pre_attn_scalar": 256})
+    assert hub.layer_windows == ((1024,) * 5 + (None,)) * 2
+    assert (hub.rope_theta, hub.rope_scaling["factor"]) == (1000000.0, 8.0)
+    assert (hub.gemma.local_rope_theta, hub.gemma.local_rope_scaling) == (10000.0, None)
+    assert hub.attention_scale == 256**-0.5 and hub.qk_norm
+    v5 = ModelConfig.from_hf_dict({**base, "query_pre_attn_scalar": 24, "layer_types": ["sliding_attention",
+                                                                                        "full_attention"] * 6,
+                                   "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                                                       "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}})
+    assert v5.layer_windows == (1024, None) * 6 and (v5.rope_theta, v5.rope_scaling) == (1e6, None)
+    assert v5.gemma.local_rope_theta == 1e4 and v5.attention_scale == 24**-0.5
+    for capped in ("attn_logit_softcapping", "final_logit_softcapping"):
+        with pytest.raises(ValueError, match=f"'google/x' sets {capped}=30.0"):
+            ModelConfig.from_hf_dict({**base, capped: 30.0}, name="google/x")

@@ -1,5 +1,5 @@
-"""Tiny random Llama, Qwen2, Qwen3, Mistral and mixture-of-experts (Qwen2-MoE, Qwen3-MoE, Mixtral)
-checkpoints, built and saved by transformers for the tests."""
+"""Tiny random Llama, Qwen2, Qwen3, Mistral, Gemma 3 and mixture-of-experts (Qwen2-MoE, Qwen3-MoE,
+Mixtral) checkpoints, built and saved by transformers for the tests."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ SMOLLM2_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_temp
 
 
 def build_tiny_model(kind: str, out: Path, tokenizer_from: Path, seed: int = 0, **config_overrides) -> Path:
-    """Save a small random model of `kind` ("llama", "llama3-rope", "qwen2", "qwen3", "mistral", "qwen2_moe",
-    "qwen3_moe" or "mixtral")
+    """Save a small random model of `kind` ("llama", "llama3-rope", "qwen2", "qwen3", "mistral", "gemma3",
+    "qwen2_moe", "qwen3_moe" or "mixtral")
     with a real tokenizer; `config_overrides` go to the transformers config.
 
     Weights are drawn with a wide init so next-token logits are peaked: greedy
@@ -21,7 +21,7 @@ def build_tiny_model(kind: str, out: Path, tokenizer_from: Path, seed: int = 0, 
     import shutil
 
     from transformers import (
-        LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, MixtralConfig, MixtralForCausalLM,
+        Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, MixtralConfig, MixtralForCausalLM,
         Qwen2Config, Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3Config, Qwen3ForCausalLM,
         Qwen3MoeConfig, Qwen3MoeForCausalLM,
     )
@@ -58,6 +58,16 @@ def build_tiny_model(kind: str, out: Path, tokenizer_from: Path, seed: int = 0, 
     elif kind == "mistral":
         cfg = MistralConfig(**{"sliding_window": None, **common}, rope_theta=1000000.0, tie_word_embeddings=False)
         model = MistralForCausalLM(cfg)
+    elif kind == "gemma3":
+        # windowed and global layers alternating, each kind with its RoPE base; q . k scaled by
+        # query_pre_attn_scalar^-0.5 (24, not head_dim 32), so a missed Gemma departure shows
+        cfg = Gemma3TextConfig(**{"head_dim": 32, "query_pre_attn_scalar": 24, "sliding_window": 8,
+                                  "sliding_window_pattern": 2, "num_hidden_layers": 4, **common})
+        model = Gemma3ForCausalLM(cfg)
+        with torch.no_grad():  # norm weights start at 0 (a scale of 1 + 0): spread them, so a missed +1 shows
+            for name, param in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.uniform_(-0.6, 0.6)
     elif kind == "qwen2_moe":  # 8 experts, top 2, a shared expert; layer 1 dense (mlp_only_layers)
         cfg = Qwen2MoeConfig(**{"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                                 "shared_expert_intermediate_size": 64, "mlp_only_layers": [1], **common},

@@ -74,7 +74,7 @@ def build_rank_model(spec: RankSpec, rank: int, comm: ProcessGroupComm,
     kv = KVCache(local.num_hidden_layers, spec.num_blocks, spec.block_size, local.num_key_value_heads,
                  local.head_dim, dtype=spec.kv_dtype)
     backend = TorchPagedAttention(kv, local.num_attention_heads, local.num_key_value_heads, local.head_dim,
-                                  local.layer_windows)
+                                  local.layer_windows, local.attention_scale)
     if weights is None:
         weights = load_weights(Path(spec.folder), spec.dtype)
     return LlamaForCausalLM(spec.cfg, weights, backend, spec.quantization, shard, comm), kv

@@ -71,7 +71,7 @@ class ModelRunner:
     def _attention_backend(self):
         c = self.cfg
         return self.platform.attention_backend(self.kv_cache, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
-                                               c.layer_windows)
+                                               c.layer_windows, c.attention_scale)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """A pool of num_blocks blocks in place of the one the runner has (nothing cached is kept)."""

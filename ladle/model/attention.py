@@ -179,15 +179,17 @@ class TorchPagedAttention:
     """Attention over the paged cache with plain torch ops (scaled_dot_product_attention).
 
     windows[layer]: that layer's sliding window (each query attends to its last `window` positions),
-    None where it attends to the whole context."""
+    None where it attends to the whole context. scale: what q . k is multiplied by (head_dim^-0.5
+    unless the model says otherwise)."""
 
     def __init__(self, cache: KVCache, num_heads: int, num_kv_heads: int, head_dim: int,
-                 windows: tuple[int | None, ...] = ()):
+                 windows: tuple[int | None, ...] = (), scale: float | None = None):
         self.cache = cache
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.windows = windows
+        self.scale = head_dim**-0.5 if scale is None else scale
         # float32 caches take every native kernel; bfloat16 and 8-bit ones the prompt kernel
         # (decodes included) and the K/V writes; anything else stays on torch
         self._native_ok = cache.k.dtype in (torch.float32, torch.bfloat16, torch.int8, torch.float8_e4m3fn) \
@@ -267,7 +269,7 @@ class TorchPagedAttention:
             rows = meta.canonical
             o32 = out if out.dtype == torch.float32 else torch.empty_like(out, dtype=torch.float32)
             native.prompt_attention(q.float(), self.cache.k[layer], self.cache.v[layer], rows.block_tables,
-                                    rows.row_starts, rows.row_counts, rows.first_positions, self.head_dim**-0.5, o32,
+                                    rows.row_starts, rows.row_counts, rows.first_positions, self.scale, o32,
                                     **self._scales(layer), window=self.window(layer))
             if o32 is not out:
                 for span in meta.prefills:
@@ -293,12 +295,12 @@ class TorchPagedAttention:
             rows = meta.decode_rows
             out = torch.empty(q.shape[0], self.num_heads * self.head_dim, dtype=torch.float32)
             native.prompt_attention(q.float(), self.cache.k[layer], self.cache.v[layer], rows.block_tables,
-                                    rows.row_starts, rows.row_counts, rows.first_positions, self.head_dim**-0.5, out,
+                                    rows.row_starts, rows.row_counts, rows.first_positions, self.scale, out,
                                     **self._scales(layer), window=self.window(layer))
             return out.to(q.dtype)
         if native is not None and self._decode_kernel_ok and q.dtype == torch.float32:  # K/V read in place
             return native.decode_attention(q, self.cache.k[layer], self.cache.v[layer], meta.decode_block_tables,
-                                           meta.decode_context_lens, self.head_dim**-0.5, self.window(layer))
+                                           meta.decode_context_lens, self.scale, self.window(layer))
         b = q.shape[0]
         group = self.num_heads // self.num_kv_heads
         # Grouped-query trick: the heads sharing one KV head attend as a group, so K/V
@@ -306,7 +308,7 @@ class TorchPagedAttention:
         qg = q.view(b, self.num_kv_heads, group, self.head_dim)
         k = self._gather(layer, "k", meta.decode_block_tables, q.dtype).transpose(1, 2)
         v = self._gather(layer, "v", meta.decode_block_tables, q.dtype).transpose(1, 2)
-        o = sdpa(qg, k, v, attn_mask=meta.backend_data[self.window(layer)])
+        o = sdpa(qg, k, v, attn_mask=meta.backend_data[self.window(layer)], scale=self.scale)
         return o.reshape(b, self.num_heads * self.head_dim)
 
     def _prefill(self, layer: int, span: PrefillSpan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -324,7 +326,7 @@ class TorchPagedAttention:
             mask, causal = window_mask(positions[span.context_len - n :], positions, window), False
         ks = ks.transpose(0, 1).unsqueeze(0)
         vs = vs.transpose(0, 1).unsqueeze(0)
-        o = sdpa(qs, ks, vs, attn_mask=mask, is_causal=causal, enable_gqa=True)
+        o = sdpa(qs, ks, vs, attn_mask=mask, is_causal=causal, enable_gqa=True, scale=self.scale)
         return o[0].transpose(0, 1).reshape(n, self.num_heads * self.head_dim)
 
     def _tiles(self, layer: int, span: PrefillSpan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -349,7 +351,7 @@ class TorchPagedAttention:
             positions = torch.arange(tile_end, device=q.device)
             seen = window_mask(positions[tile_start:], positions, self.window(layer))
             o = sdpa(rows.unsqueeze(0), keys[:, :tile_end].unsqueeze(0), values[:, :tile_end].unsqueeze(0),
-                     attn_mask=seen, enable_gqa=True)
+                     attn_mask=seen, enable_gqa=True, scale=self.scale)
             o = o[0, :, pos - tile_start :].transpose(0, 1)
             out.append(o.reshape(tile_end - pos, self.num_heads * self.head_dim))
             pos = tile_end

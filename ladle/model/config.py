@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "qwen2_moe", "qwen3_moe", "mixtral")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "qwen2_moe", "qwen3_moe", "mixtral", "gemma3_text")
 MOE_ARCHITECTURES = ("qwen2_moe", "qwen3_moe", "mixtral")
 
 
@@ -38,6 +38,40 @@ class MoEConfig:
 
 
 @dataclass
+class GemmaConfig:
+    """Gemma 3: embeddings scaled by sqrt(hidden), norms that multiply by (1 + weight), a norm on each
+    sublayer's output too ("sandwich"), GELU (tanh) gating, q . k scaled by query_pre_attn_scalar^-0.5,
+    and the sliding layers' own RoPE base."""
+
+    query_pre_attn_scalar: float
+    local_rope_theta: float
+    local_rope_scaling: dict[str, Any] | None = None
+
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any], name: str) -> "GemmaConfig":
+        for capped in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if d.get(capped) is not None:
+                raise ValueError(f"model {name!r} sets {capped}={d[capped]} (Gemma 2's soft-capping): ladle does "
+                                 "not implement it, so it refuses the model")
+        if d.get("use_bidirectional_attention"):
+            raise ValueError(f"model {name!r} sets use_bidirectional_attention: ladle attends causally only")
+        if d.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
+            raise ValueError(f"model {name!r}: hidden_activation {d['hidden_activation']!r} is not Gemma 3's "
+                             "gelu_pytorch_tanh")
+        local = (d.get("rope_parameters") or {}).get("sliding_attention")
+        if local is None:  # configs before transformers 5: rope_local_base_freq, and no scaling on local layers
+            local = {"rope_type": "default", "rope_theta": d.get("rope_local_base_freq", 10000.0)}
+        return cls(float(d.get("query_pre_attn_scalar", 256)), float(local["rope_theta"]), _rope_scaling(local))
+
+
+def _rope_scaling(rope: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A rope_scaling dict, None for plain RoPE."""
+    if not rope or rope.get("rope_type", rope.get("type", "default")) == "default":
+        return None
+    return rope
+
+
+@dataclass
 class ModelConfig:
     model_type: str
     vocab_size: int
@@ -60,10 +94,16 @@ class ModelConfig:
     # each layer's sliding window (it attends to the last `window` positions), None where it sees the whole
     # context; empty: no layer has one
     layer_windows: tuple[int | None, ...] = ()
+    gemma: GemmaConfig | None = None  # Gemma 3's departures from Llama
 
     @property
     def sliding(self) -> bool:
         return any(w is not None for w in self.layer_windows)
+
+    @property
+    def attention_scale(self) -> float:
+        """What q . k is multiplied by before the softmax."""
+        return (self.gemma.query_pre_attn_scalar if self.gemma else self.head_dim) ** -0.5
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any], name: str | None = None) -> "ModelConfig":
@@ -78,12 +118,12 @@ class ModelConfig:
         heads = d["num_attention_heads"]
         eos = d.get("eos_token_id")
         eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
-        # transformers >= 5 nests rope settings under rope_parameters
+        # transformers >= 5 nests rope settings under rope_parameters (by layer type where types differ)
         rope = dict(d.get("rope_parameters") or {})
+        rope = dict(rope.get("full_attention", rope))
         rope_theta = float(d.get("rope_theta", rope.get("rope_theta", 10000.0)))
-        scaling = d.get("rope_scaling") or rope or None
-        if scaling is not None and scaling.get("rope_type", scaling.get("type", "default")) == "default":
-            scaling = None
+        scaling = _rope_scaling(d.get("rope_scaling") or rope)
+        gemma = GemmaConfig.from_hf_dict(d, name or model_type) if model_type == "gemma3_text" else None
         return cls(
             model_type=model_type,
             vocab_size=d["vocab_size"],
@@ -99,13 +139,14 @@ class ModelConfig:
             max_position_embeddings=max_positions,
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=bool(d.get("attention_bias", d.get("qkv_bias", model_type in ("qwen2", "qwen2_moe")))),
-            qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
             eos_token_ids=eos_ids,
             bos_token_id=d.get("bos_token_id"),
             moe=MoEConfig.from_hf_dict(d, model_type, d["num_hidden_layers"])
             if model_type in MOE_ARCHITECTURES else None,
             # a window as long as the longest context changes nothing
             layer_windows=windows if any(w is not None and w < max_positions for w in windows) else (),
+            gemma=gemma,
         )
 
     @classmethod
@@ -129,6 +170,9 @@ def _layer_windows(d: dict[str, Any], model_type: str, num_layers: int) -> tuple
                            for i in range(num_layers)]
     elif model_type in ("mistral", "mixtral"):  # transformers' Mistral and Mixtral window every layer
         layer_types = ["sliding_attention"] * num_layers
+    elif model_type == "gemma3_text" and layer_types is None:  # every sliding_window_pattern-th layer is global
+        pattern = d.get("sliding_window_pattern", 6)
+        layer_types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(num_layers)]
     if layer_types is None:
         raise ValueError(f"sliding_window={window} on a {model_type} model: ladle does not know which layers it "
                          "applies to")

@@ -127,6 +127,12 @@ def add_rms_norm(h: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, eps: fl
     return rms_norm(h, weight, eps)
 
 
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gelu(gate) (tanh approximation, transformers' gelu_pytorch_tanh) * up: Gemma's gating."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh").mul_(up)
+
+
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up, computed in place in gate_up's first half (rows stay gate_up's stride):
     no new [T, intermediate] tensors. float32 takes the native kernel (its own exp, the same bits

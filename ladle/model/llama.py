@@ -1,5 +1,5 @@
-"""The Llama family forward (Llama, SmolLM2, Qwen2/2.5, Qwen3, and the MoE ones: Qwen2-MoE,
-Qwen3-MoE, Mixtral) over a flat, packed token batch.
+"""The Llama family forward (Llama, SmolLM2, Qwen2/2.5, Qwen3, Mistral, Gemma 3, and the MoE ones:
+Qwen2-MoE, Qwen3-MoE, Mixtral) over a flat, packed token batch.
 
 Tokens of all sequences in a step are concatenated into one [T, hidden] matrix, so the
 linear layers never see padding; only attention needs to know where sequences begin.
@@ -44,6 +44,8 @@ class DecoderLayerWeights:
     gate_up: Linear | None  # gate and up projections fused: hidden -> 2 * intermediate (dense layers)
     down: Linear | None
     moe: MoEBlock | None = None  # the MLP of a mixture-of-experts layer
+    attn_out_norm: torch.Tensor | None = None  # Gemma: norms on the attention's and the MLP's outputs
+    mlp_out_norm: torch.Tensor | None = None
 
     @property
     def linears(self) -> tuple[Linear, ...]:
@@ -70,15 +72,28 @@ def _layer_weights(w: dict[str, torch.Tensor | GroupedWeight], i: int, cfg: Mode
         down_w = w.pop(p + "mlp.down_proj.weight")
         gate_up, down = linear(cat([gate, up]), None), linear(shard.columns(down_w, shard.span(down_w.shape[1])), None)
     o_proj = w.pop(attn + "o_proj.weight")
+
+    def norm(name: str) -> torch.Tensor:
+        return _norm_weight(w.pop(name), cfg)
+
+    gemma = cfg.gemma is not None  # its post_attention_layernorm norms the attention's output
     return DecoderLayerWeights(
-        input_norm=w.pop(p + "input_layernorm.weight"),
+        input_norm=norm(p + "input_layernorm.weight"),
         qkv=linear(cat([shard.rows(w.pop(attn + f"{n}_proj.weight"), spans[n]) for n in "qkv"]), bias),
-        q_norm=w.pop(attn + "q_norm.weight") if cfg.qk_norm else None,
-        k_norm=w.pop(attn + "k_norm.weight") if cfg.qk_norm else None,
+        q_norm=norm(attn + "q_norm.weight") if cfg.qk_norm else None,
+        k_norm=norm(attn + "k_norm.weight") if cfg.qk_norm else None,
         o_proj=linear(shard.columns(o_proj, spans["q"]), None),
-        post_attn_norm=w.pop(p + "post_attention_layernorm.weight"),
+        post_attn_norm=norm(p + ("pre_feedforward_layernorm.weight" if gemma else "post_attention_layernorm.weight")),
         gate_up=gate_up, down=down, moe=moe,
+        attn_out_norm=norm(p + "post_attention_layernorm.weight") if gemma else None,
+        mlp_out_norm=norm(p + "post_feedforward_layernorm.weight") if gemma else None,
     )
+
+
+def _norm_weight(weight: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """An RMSNorm's scale as ladle multiplies by it: Gemma's norms multiply by (1 + weight), added in
+    float32 as transformers adds it."""
+    return (1.0 + weight.float()).to(weight.dtype) if cfg.gemma is not None else weight
 
 
 @dataclass
@@ -120,7 +135,7 @@ class LlamaForCausalLM:
         cat = functools.partial(cat_weights, dtype=dtype)
         self.layers = [_layer_weights(w, i, cfg, shard, linear, cat, comm) for i in range(cfg.num_hidden_layers)]
         self.cfg = cfg = shard.local_config(cfg)  # from here on, the shapes this rank computes with
-        self.norm = w.pop("model.norm.weight")
+        self.norm = _norm_weight(w.pop("model.norm.weight"), cfg)
         # a tied head is the embedding, unless the checkpoint keeps it quantised (a GGUF's blocks)
         lm_head = w.pop("lm_head.weight", None)
         if lm_head is None or (cfg.tie_word_embeddings and not isinstance(lm_head, GroupedWeight)):
@@ -129,6 +144,16 @@ class LlamaForCausalLM:
         self.lm_head = linear(shard.rows(lm_head, shard.padded_span(cfg.vocab_size)), None)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling,
                                       device=self.embed.device)
+        # Gemma: the sliding layers rotate with their own base, and embeddings are scaled by sqrt(hidden)
+        self.local_rotary, self.local_layers, self.embed_scale = None, frozenset(), None
+        self.act = ops.silu_and_mul
+        if cfg.gemma is not None:
+            g = cfg.gemma
+            self.local_rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, g.local_rope_theta,
+                                                g.local_rope_scaling, device=self.embed.device)
+            self.local_layers = frozenset(i for i, window in enumerate(cfg.layer_windows) if window is not None)
+            self.embed_scale = torch.tensor(cfg.hidden_size**0.5).to(dtype)  # rounded to the dtype, as transformers
+            self.act = ops.gelu_tanh_and_mul
         self.q_size = cfg.num_attention_heads * cfg.head_dim
         self.kv_size = cfg.num_key_value_heads * cfg.head_dim
         for lin in self.linears:  # now, not on the first canonical (scoring) request
@@ -166,7 +191,11 @@ class LlamaForCausalLM:
         ops = self.ops
         self.attention.prepare(meta)
         h = F.embedding(input_ids, self.embed)
+        if self.embed_scale is not None:
+            h = h * self.embed_scale
         rope = tuple(t.to(h.dtype) for t in self.rotary.tables(positions))  # as transformers rounds them
+        local_rope = None if self.local_rotary is None else tuple(
+            t.to(h.dtype) for t in self.local_rotary.tables(positions))
         layers = self.layers if num_layers is None else self.layers[:num_layers]
         last = len(layers)
         if keep is not None:
@@ -176,15 +205,21 @@ class LlamaForCausalLM:
         # h, the residual stream, is updated in place; x is the normed input of what comes next
         x = ops.rms_norm(h, layers[0].input_norm if layers else self.norm, eps)
         for i, layer in enumerate(layers):
-            x = ops.add_rms_norm(h, self._attention(i, layer, x, rope, meta, lora), layer.post_attn_norm, eps)
+            layer_rope = local_rope if i in self.local_layers else rope
+            attended = self._attention(i, layer, x, layer_rope, meta, lora)
+            x = ops.add_rms_norm(h, self._normed(attended, layer.attn_out_norm), layer.post_attn_norm, eps)
             following = layers[i + 1].input_norm if i + 1 < last else self.norm
-            x = ops.add_rms_norm(h, self._mlp(i, layer, x, inv, lora), following, eps)
+            x = ops.add_rms_norm(h, self._normed(self._mlp(i, layer, x, inv, lora), layer.mlp_out_norm), following, eps)
             if keep is not None and i + 1 < last:
                 keep.keep(i + 1, h)
         out = x
         if keep is not None:
             keep.keep(last, out)
         return out
+
+    def _normed(self, out: torch.Tensor, norm: torch.Tensor | None) -> torch.Tensor:
+        """A sublayer's output, normed where the model norms it before the residual add (Gemma)."""
+        return out if norm is None else self.ops.rms_norm(out, norm, self.cfg.rms_norm_eps)
 
     def _mlp(self, i: int, layer: DecoderLayerWeights, x: torch.Tensor, inv: bool,
              lora: LoRABatch | None) -> torch.Tensor:
@@ -193,7 +228,7 @@ class LlamaForCausalLM:
         gate_up = layer.gate_up(x, inv)
         if lora is not None:
             lora.add(i, "gate_up", x, gate_up)
-        act = self.ops.silu_and_mul(gate_up)
+        act = self.act(gate_up)
         down = layer.down(act, inv)
         if lora is not None:
             lora.add(i, "down", act, down)

@@ -23,6 +23,7 @@ class LayerOps:
     rotary: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # x [T, heads, D], cos, sin
     silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
     name: str = "torch"
+    gelu_tanh_and_mul: Callable[[torch.Tensor], torch.Tensor] = layers.gelu_tanh_and_mul  # torch's on every device
 
 
 TORCH_OPS = LayerOps(layers.rms_norm, layers.add_rms_norm, layers.apply_rotary, layers.silu_and_mul)

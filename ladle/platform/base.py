@@ -62,15 +62,16 @@ class Platform(ABC):
         raise NotImplementedError(f"{self.name} sizes its KV pool from --kv-cache-memory-gib")
 
     def attention_backend(self, cache: KVCache, num_heads: int, num_kv_heads: int, head_dim: int,
-                          windows: tuple[int | None, ...] = ()) -> AttentionBackend:
-        """windows: each layer's sliding window (ModelConfig.layer_windows)."""
+                          windows: tuple[int | None, ...] = (), scale: float | None = None) -> AttentionBackend:
+        """windows: each layer's sliding window (ModelConfig.layer_windows); scale: q . k's factor
+        (ModelConfig.attention_scale)."""
         if self.attention == "triton":
             from ladle.model.triton.backend import TritonPagedAttention
 
-            return TritonPagedAttention(cache, num_heads, num_kv_heads, head_dim, windows)
+            return TritonPagedAttention(cache, num_heads, num_kv_heads, head_dim, windows, scale)
         from ladle.model.attention import TorchPagedAttention
 
-        return TorchPagedAttention(cache, num_heads, num_kv_heads, head_dim, windows)
+        return TorchPagedAttention(cache, num_heads, num_kv_heads, head_dim, windows, scale)
 
     def layer_ops(self) -> LayerOps:
         return triton_ops() if self.attention == "triton" else TORCH_OPS

@@ -46,13 +46,13 @@ class TritonStepData:
 
 class TritonPagedAttention:
     def __init__(self, cache: KVCache, num_heads: int, num_kv_heads: int, head_dim: int,
-                 windows: tuple[int | None, ...] = ()):
+                 windows: tuple[int | None, ...] = (), scale: float | None = None):
         if any(w is not None for w in windows):
             raise ValueError("the Triton attention kernels have no sliding window yet: serve this model with "
                              "--attention-backend torch")
         self.cache = cache
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.scale = head_dim**-0.5
+        self.scale = head_dim**-0.5 if scale is None else scale
         self.device = cache.k.device
         self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count \
             if self.device.type == "cuda" else 4
