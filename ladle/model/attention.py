@@ -107,7 +107,9 @@ class AttentionBackend(Protocol):
     # Writes this step's K/V, then performs meta.in_step_copies, before any attend().
     def write_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None: ...
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor: ...
+    # sinks: float32 [num_heads], a learned logit per head in its softmax's denominator (gpt-oss), or None
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+               sinks: torch.Tensor | None = None) -> torch.Tensor: ...
 
 
 class KVCache:
@@ -173,6 +175,23 @@ def window_mask(queries: torch.Tensor, keys: torch.Tensor, window: int | None) -
     if window is not None:
         seen &= keys[None, :] > queries[:, None] - window
     return seen
+
+
+def sdpa_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seen: torch.Tensor | None,
+                    sinks: torch.Tensor | None, **kwargs) -> torch.Tensor:
+    """SDPA of q [..., H, n, D] over k, v [..., KVH, K, D] where `seen` (bool, broadcast to [..., H, n, K])
+    is True; sinks (shaped to broadcast to [..., H, n, 1]) add a logit per head to each softmax's
+    denominator: a zero key scored by its float mask, whose zero value weighs nothing."""
+    if sinks is None:
+        return sdpa(q, k, v, attn_mask=seen, **kwargs)
+    zero = k.new_zeros(*k.shape[:-2], 1, k.shape[-1])
+    k, v = torch.cat((k, zero), dim=-2), torch.cat((v, zero), dim=-2)
+    rows = (*q.shape[:-1], k.shape[-2] - 1)
+    bias = torch.zeros(rows, dtype=q.dtype, device=q.device)
+    if seen is not None:
+        bias = bias.masked_fill(~seen.expand(rows), -math.inf)
+    bias = torch.cat((bias, sinks.to(q.dtype).expand(*rows[:-1], 1)), dim=-1)
+    return sdpa(q, k, v, attn_mask=bias, **kwargs)
 
 
 class TorchPagedAttention:
@@ -252,25 +271,26 @@ class TorchPagedAttention:
             return {}
         return {"k_scales": self.cache.k_scale[layer], "v_scales": self.cache.v_scale[layer]}
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, KVH, D] (this step's tokens, already in the cache). Returns [T, H*D]."""
         if not meta.prefills:  # decodes only: nothing to assemble
-            return self._decode(layer, q, meta)
+            return self._decode(layer, q, meta, sinks)
         out = torch.empty(q.shape[0], self.num_heads * self.head_dim, dtype=q.dtype, device=q.device)
         if meta.num_decodes:
-            out[: meta.num_decodes] = self._decode(layer, q[: meta.num_decodes], meta)
+            out[: meta.num_decodes] = self._decode(layer, q[: meta.num_decodes], meta, sinks)
         native = self._native(q) if meta.canonical is not None and self._prompt_kernel_ok else None
         for span in meta.prefills:
             if span.canonical and native is None:
-                out[span.start : span.end] = self._tiles(layer, span, q, k, v)
+                out[span.start : span.end] = self._tiles(layer, span, q, k, v, sinks)
             elif not span.canonical:
-                out[span.start : span.end] = self._prefill(layer, span, q, k, v)
+                out[span.start : span.end] = self._prefill(layer, span, q, k, v, sinks)
         if native is not None:  # every canonical span in one call, each row computed on its own
             rows = meta.canonical
             o32 = out if out.dtype == torch.float32 else torch.empty_like(out, dtype=torch.float32)
             native.prompt_attention(q.float(), self.cache.k[layer], self.cache.v[layer], rows.block_tables,
                                     rows.row_starts, rows.row_counts, rows.first_positions, self.scale, o32,
-                                    **self._scales(layer), window=self.window(layer))
+                                    **self._scales(layer), window=self.window(layer), sinks=sinks)
             if o32 is not out:
                 for span in meta.prefills:
                     if span.canonical:
@@ -287,7 +307,8 @@ class TorchPagedAttention:
             blocks = kv_quant.dequantize(blocks, getattr(self.cache, f"{which}_scale")[layer].index_select(0, flat))
         return blocks.to(dtype).view(*block_table.shape[:-1], -1, self.num_kv_heads, self.head_dim)
 
-    def _decode(self, layer: int, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def _decode(self, layer: int, q: torch.Tensor, meta: AttentionMetadata,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         native = self._native(q) if meta.decode_context_lens is not None else None
         if native is not None and self._prompt_kernel_ok and meta.decode_rows is not None:
             # a decode is a one-row prompt span: the prompt kernel scores 8 keys per pass and
@@ -296,11 +317,11 @@ class TorchPagedAttention:
             out = torch.empty(q.shape[0], self.num_heads * self.head_dim, dtype=torch.float32)
             native.prompt_attention(q.float(), self.cache.k[layer], self.cache.v[layer], rows.block_tables,
                                     rows.row_starts, rows.row_counts, rows.first_positions, self.scale, out,
-                                    **self._scales(layer), window=self.window(layer))
+                                    **self._scales(layer), window=self.window(layer), sinks=sinks)
             return out.to(q.dtype)
         if native is not None and self._decode_kernel_ok and q.dtype == torch.float32:  # K/V read in place
             return native.decode_attention(q, self.cache.k[layer], self.cache.v[layer], meta.decode_block_tables,
-                                           meta.decode_context_lens, self.scale, self.window(layer))
+                                           meta.decode_context_lens, self.scale, self.window(layer), sinks)
         b = q.shape[0]
         group = self.num_heads // self.num_kv_heads
         # Grouped-query trick: the heads sharing one KV head attend as a group, so K/V
@@ -308,14 +329,16 @@ class TorchPagedAttention:
         qg = q.view(b, self.num_kv_heads, group, self.head_dim)
         k = self._gather(layer, "k", meta.decode_block_tables, q.dtype).transpose(1, 2)
         v = self._gather(layer, "v", meta.decode_block_tables, q.dtype).transpose(1, 2)
-        o = sdpa(qg, k, v, attn_mask=meta.backend_data[self.window(layer)], scale=self.scale)
+        group_sinks = None if sinks is None else sinks.view(1, self.num_kv_heads, group, 1)
+        o = sdpa_with_sinks(qg, k, v, meta.backend_data[self.window(layer)], group_sinks, scale=self.scale)
         return o.reshape(b, self.num_heads * self.head_dim)
 
-    def _prefill(self, layer: int, span: PrefillSpan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def _prefill(self, layer: int, span: PrefillSpan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 sinks: torch.Tensor | None = None) -> torch.Tensor:
         n = span.end - span.start
         qs = q[span.start : span.end].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
         window = self.window(layer)
-        if span.context_len == n and not self.cache.quantized and window is None:  # nothing cached: fresh K/V
+        if span.context_len == n and not self.cache.quantized and window is None and sinks is None:  # fresh K/V
             ks = k[span.start : span.end]
             vs = v[span.start : span.end]
             mask, causal = None, True
@@ -326,10 +349,12 @@ class TorchPagedAttention:
             mask, causal = window_mask(positions[span.context_len - n :], positions, window), False
         ks = ks.transpose(0, 1).unsqueeze(0)
         vs = vs.transpose(0, 1).unsqueeze(0)
-        o = sdpa(qs, ks, vs, attn_mask=mask, is_causal=causal, enable_gqa=True, scale=self.scale)
+        head_sinks = None if sinks is None else sinks.view(1, -1, 1, 1)
+        o = sdpa_with_sinks(qs, ks, vs, mask, head_sinks, is_causal=causal, enable_gqa=True, scale=self.scale)
         return o[0].transpose(0, 1).reshape(n, self.num_heads * self.head_dim)
 
-    def _tiles(self, layer: int, span: PrefillSpan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def _tiles(self, layer: int, span: PrefillSpan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Without the native kernels: queries in tiles aligned to absolute block boundaries,
         each against exactly the keys up to its end: the same call shapes whether a prefix
         was cached or not."""
@@ -350,8 +375,9 @@ class TorchPagedAttention:
             rows = F.pad(rows, (0, 0, 0, 0, pos - tile_start, 0)).transpose(0, 1)
             positions = torch.arange(tile_end, device=q.device)
             seen = window_mask(positions[tile_start:], positions, self.window(layer))
-            o = sdpa(rows.unsqueeze(0), keys[:, :tile_end].unsqueeze(0), values[:, :tile_end].unsqueeze(0),
-                     attn_mask=seen, enable_gqa=True, scale=self.scale)
+            o = sdpa_with_sinks(rows.unsqueeze(0), keys[:, :tile_end].unsqueeze(0), values[:, :tile_end].unsqueeze(0),
+                                seen, None if sinks is None else sinks.view(1, -1, 1, 1), enable_gqa=True,
+                                scale=self.scale)
             o = o[0, :, pos - tile_start :].transpose(0, 1)
             out.append(o.reshape(tile_end - pos, self.num_heads * self.head_dim))
             pos = tile_end

@@ -63,10 +63,11 @@ float exp_shifted(float* p, int64_t n, float max) {
 // sliding window, else 0.
 inline int64_t first_key(int64_t keys, int64_t window) { return window > 0 ? std::max<int64_t>(0, keys - window) : 0; }
 
-// One sequence, one KV head and the `group` query heads that share it: keys [lo, n).
+// One sequence, one KV head and the `group` query heads that share it: keys [lo, n). sinks: the
+// group's logits that join each softmax's denominator and weigh no value (null: none).
 void attend_group(const float* q, const float* k_cache, const float* v_cache, const int64_t* table, int64_t n,
                   int64_t lo, int64_t kv_head, int64_t kv_heads, int64_t group, int64_t d, int64_t block_size,
-                  float scale, float* out, std::vector<float>& scores) {
+                  float scale, const float* sinks, float* out, std::vector<float>& scores) {
   scores.resize(group * n);
   for (int64_t t = lo; t < n; ++t) {
     const float* k = k_cache + ((table[t / block_size] * block_size + t % block_size) * kv_heads + kv_head) * d;
@@ -74,7 +75,9 @@ void attend_group(const float* q, const float* k_cache, const float* v_cache, co
   }
   for (int64_t g = 0; g < group; ++g) {
     float* p = scores.data() + g * n + lo;
-    const float inv_sum = 1.0f / exp_shifted(p, n - lo, *std::max_element(p, p + n - lo));
+    const float sink = sinks ? sinks[g] : -INFINITY;
+    const float max = std::max(*std::max_element(p, p + n - lo), sink);
+    const float inv_sum = 1.0f / (exp_shifted(p, n - lo, max) + std::exp(sink - max));
     float* o = out + g * d;
     std::fill(o, o + d, 0.0f);
     for (int64_t t = lo; t < n; ++t) {
@@ -89,14 +92,15 @@ void attend_group(const float* q, const float* k_cache, const float* v_cache, co
 
 // out[b, h*d] = softmax(q[b, h] . K[b]^T * scale) V[b] for b < batch, with K[b], V[b] the
 // first context_lens[b] tokens of the blocks in block_tables[b] (the last `window` of them, if
-// window > 0: a sliding-window layer). q rows are q_stride apart,
+// window > 0: a sliding-window layer), and sinks[h] (if not null: gpt-oss's learned logit per head)
+// in each softmax's denominator. q rows are q_stride apart,
 // each [heads, d] contiguous; the caches are one layer's [num_blocks, block_size, kv_heads, d].
 // Returns 0, or -1 (computing nothing) if a table or length points outside the cache.
 extern "C" int ladle_decode_attention(const float* q, int64_t q_stride, const float* k_cache, const float* v_cache,
                                       int64_t num_blocks, const int64_t* block_tables, int64_t max_blocks,
                                       const int64_t* context_lens, float* out, int64_t batch, int64_t heads,
                                       int64_t kv_heads, int64_t d, int64_t block_size, float scale, int64_t window,
-                                      int threads) {
+                                      const float* sinks, int threads) {
   const int64_t group = heads / kv_heads;
   int64_t tokens = 0;
   for (int64_t b = 0; b < batch; ++b) {
@@ -116,7 +120,7 @@ extern "C" int ladle_decode_attention(const float* q, int64_t q_stride, const fl
       const int64_t b = task / kv_heads, kv_head = task % kv_heads;
       attend_group(q + b * q_stride + kv_head * group * d, k_cache, v_cache, block_tables + b * max_blocks,
                    context_lens[b], first_key(context_lens[b], window), kv_head, kv_heads, group, d, block_size, scale,
-                   out + (b * heads + kv_head * group) * d, scores);
+                   sinks ? sinks + kv_head * group : nullptr, out + (b * heads + kv_head * group) * d, scores);
     }
   }
   return 0;
@@ -272,15 +276,16 @@ void scores4x2(const float* q0, const float* q1, const KV* k, int64_t key_stride
 }
 
 // p[j] = exp(p[j] - max) for j < n, p[j] = 0 up to the next multiple of 8; returns the sum,
-// accumulated in 8 lanes in key order and then across lanes: fixed by n alone.
-float softmax_numerators(float* p, int64_t n) {
+// accumulated in 8 lanes in key order and then across lanes (fixed by n alone), plus
+// exp(sink - max): a sink logit in the denominator, where max counts it too (-inf: none, adding 0).
+float softmax_numerators(float* p, int64_t n, float sink) {
 #ifdef __AVX2__
   __m256 maxes = _mm256_set1_ps(p[0]);  // a maximum is exact in any order
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) maxes = _mm256_max_ps(maxes, _mm256_loadu_ps(p + i));
   alignas(32) float lanes[8];
   _mm256_store_ps(lanes, maxes);
-  float max = *std::max_element(lanes, lanes + 8);
+  float max = std::max(*std::max_element(lanes, lanes + 8), sink);
   for (; i < n; ++i) max = std::max(max, p[i]);
   const __m256i first_lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   __m256 acc = _mm256_setzero_ps();
@@ -292,13 +297,13 @@ float softmax_numerators(float* p, int64_t n) {
     _mm256_storeu_ps(p + j, e);
     acc = _mm256_add_ps(acc, e);
   }
-  return hsum(acc);
+  return hsum(acc) + std::exp(sink - max);
 #else
-  const float max = *std::max_element(p, p + n);
+  const float max = std::max(*std::max_element(p, p + n), sink);
   float sum = 0;
   for (int64_t j = 0; j < n; ++j) sum += (p[j] = std::exp(p[j] - max));
   for (int64_t j = n; j % 8; ++j) p[j] = 0;
-  return sum;
+  return sum + std::exp(sink - max);
 #endif
 }
 
@@ -367,7 +372,7 @@ template <typename KV>
 void attend_prompt_rows(const PromptTask& t, const float* q, int64_t q_stride, const KV* k_cache,
                         const KV* v_cache, KVScales scales, const int64_t* table, int64_t first_pos,
                         int64_t heads, int64_t kv_heads, int64_t d, int64_t block_size, float scale, int64_t window,
-                        float* out, int64_t out_stride, PromptScratch& scratch) {
+                        const float* sinks, float* out, int64_t out_stride, PromptScratch& scratch) {
   const int64_t group = heads / kv_heads, vectors = group * t.rows;
   const int64_t last_pos = first_pos + t.rows - 1;
   const int64_t blocks = last_pos / block_size + 1, width = blocks * block_size;
@@ -407,7 +412,8 @@ void attend_prompt_rows(const PromptTask& t, const float* q, int64_t q_stride, c
   }
   scratch.inv_sum.resize(vectors);
   for (int64_t v = 0; v < vectors; ++v)
-    scratch.inv_sum[v] = 1.0f / softmax_numerators(scratch.scores.data() + v * pitch + lo_of(v), keys_of(v) - lo_of(v));
+    scratch.inv_sum[v] = 1.0f / softmax_numerators(scratch.scores.data() + v * pitch + lo_of(v), keys_of(v) - lo_of(v),
+                                                   sinks ? sinks[t.kv_head * group + v % group] : -INFINITY);
   for (int64_t b = first_block; b < blocks; ++b) {
     const int64_t start = b * block_size;
     const KV* values = block_of(v_cache, b);
@@ -438,8 +444,8 @@ void attend_prompt_rows(const PromptTask& t, const float* q, int64_t q_stride, c
 // Causal attention for prompt rows. Sequence s owns rows [row_starts[s], row_starts[s] +
 // row_counts[s]) of q and out, at absolute positions first_positions[s] onwards; each row
 // attends to keys [0, its position] (its last `window` keys, if window > 0) of the blocks in
-// block_tables[s], which must already hold this step's K/V. q rows are q_stride apart, each
-// [heads, d]; out rows out_stride apart.
+// block_tables[s], which must already hold this step's K/V; sinks[h], if not null, joins head h's
+// softmax denominators (gpt-oss). q rows are q_stride apart, each [heads, d]; out rows out_stride apart.
 // kv_type: 0 float32, 1 bfloat16, 2 int8, 3 fp8 e4m3 (the 8-bit ones with k_scales, v_scales).
 // Returns 0; -1 (computing nothing) if a table or position points outside the cache; -2 if
 // d or block_size is not a multiple of 8.
@@ -449,7 +455,8 @@ extern "C" int ladle_prompt_attention(const float* q, int64_t q_stride, const vo
                                       int64_t max_blocks, const int64_t* row_starts, const int64_t* row_counts,
                                       const int64_t* first_positions, float* out, int64_t out_stride,
                                       int64_t num_seqs, int64_t heads, int64_t kv_heads, int64_t d,
-                                      int64_t block_size, float scale, int64_t window, int threads) {
+                                      int64_t block_size, float scale, int64_t window, const float* sinks,
+                                      int threads) {
   if (d % 8 || block_size % 8) return -2;
   std::vector<PromptTask> tasks;
   int64_t work = 0;
@@ -482,8 +489,8 @@ extern "C" int ladle_prompt_attention(const float* q, int64_t q_stride, const vo
       auto attend = [&](auto* kv_type_tag, KVScales scales) {
         using KV = std::remove_const_t<std::remove_pointer_t<decltype(kv_type_tag)>>;
         attend_prompt_rows(t, q, q_stride, static_cast<const KV*>(k_cache), static_cast<const KV*>(v_cache), scales,
-                           table, first_pos, heads, kv_heads, d, block_size, scale, window, out, out_stride,
-                           scratch);
+                           table, first_pos, heads, kv_heads, d, block_size, scale, window, sinks, out,
+                           out_stride, scratch);
       };
       switch (kv_type) {
         case 1: attend(static_cast<uint16_t*>(nullptr), {}); break;

@@ -18,6 +18,16 @@ def exactly_fp16(t: torch.Tensor) -> bool:
     return torch.equal(t.half().float(), t.float())
 
 
+
+def _sink_ptr(sinks: torch.Tensor | None, heads: int) -> int | None:
+    """The kernels' pointer to one float32 sink logit per head, or None."""
+    if sinks is None:
+        return None
+    if sinks.dtype != torch.float32 or sinks.shape != (heads,) or not sinks.is_contiguous() or not sinks.is_cpu:
+        raise ValueError(f"sinks must be a contiguous float32 CPU tensor of {heads} logits, not {tuple(sinks.shape)} "
+                         f"{sinks.dtype}")
+    return sinks.data_ptr()
+
 class NativeKernels:
     """Typed entry points into the library. Operands are float32 CPU tensors laid out as each
     method says: the caller checks, the kernels trust them (KV cache indices excepted)."""
@@ -35,11 +45,11 @@ class NativeKernels:
         self._rms_norm_bf16.restype = None
         self._decode_attention = lib.ladle_decode_attention
         self._decode_attention.argtypes = [ptr, i64, ptr, ptr, i64, ptr, i64, ptr, ptr] + [i64] * 5 + [
-            ctypes.c_float, i64, ctypes.c_int]
+            ctypes.c_float, i64, ptr, ctypes.c_int]
         self._decode_attention.restype = ctypes.c_int
         self._prompt_attention = lib.ladle_prompt_attention
         self._prompt_attention.argtypes = [ptr, i64, ptr, ptr, ctypes.c_int, ptr, ptr, i64, ptr, i64, ptr, ptr, ptr,
-                                           ptr] + [i64] * 6 + [ctypes.c_float, i64, ctypes.c_int]
+                                           ptr] + [i64] * 6 + [ctypes.c_float, i64, ptr, ctypes.c_int]
         self._prompt_attention.restype = ctypes.c_int
         self._write_kv = lib.ladle_write_kv
         self._write_kv.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, ptr, i64, i64, i64]
@@ -291,18 +301,18 @@ class NativeKernels:
 
     def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                         window: int | None = None) -> torch.Tensor:
+                         window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """One query token per sequence: q [B, H, D] (rows may be strided), one layer's caches
         [blocks, block_size, KVH, D], int64 block_tables [B, max_blocks] and context_lens [B];
-        window: a sliding-window layer's, each query attending to its last `window` keys.
-        Returns [B, H * D]."""
+        window: a sliding-window layer's, each query attending to its last `window` keys; sinks:
+        float32 [H], a logit per head in its softmax's denominator (gpt-oss). Returns [B, H * D]."""
         batch, heads, d = q.shape
         num_blocks, block_size, kv_heads, _ = k_cache.shape
         out = torch.empty(batch, heads * d, dtype=torch.float32)
         if self._decode_attention(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), num_blocks,
                                   block_tables.data_ptr(), block_tables.shape[1], context_lens.data_ptr(),
                                   out.data_ptr(), batch, heads, kv_heads, d, block_size, scale, window or 0,
-                                  torch.get_num_threads()):
+                                  _sink_ptr(sinks, heads), torch.get_num_threads()):
             raise IndexError("decode_attention: a block table or context length points outside the KV cache")
         return out
 
@@ -310,14 +320,15 @@ class NativeKernels:
                          block_tables: torch.Tensor, row_starts: torch.Tensor, row_counts: torch.Tensor,
                          first_positions: torch.Tensor, scale: float, out: torch.Tensor,
                          k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None,
-                         window: int | None = None) -> None:
+                         window: int | None = None, sinks: torch.Tensor | None = None) -> None:
         """Causal attention for prompt rows, each row on its own (row-invariant): sequence s owns
         rows [row_starts[s], + row_counts[s]) of q [T, H, D] (float32, rows may be strided) and of
         out [T, H * D] (float32, written), at positions first_positions[s] onwards, over the blocks
         of block_tables[s] (int64 [S, max_blocks]); caches in float32, bfloat16, or int8 / fp8 e4m3
         with their float32 scales [blocks, block_size, KVH]. D and the block size must be
         multiples of 8. window: a sliding-window layer's, each row attending to its last `window`
-        keys (blocks below a sequence's first window are not read)."""
+        keys (blocks below a sequence's first window are not read); sinks: float32 [H], a logit per
+        head in its softmax's denominator (gpt-oss)."""
         num_blocks, block_size, kv_heads, d = k_cache.shape
         kv_type = _KV_TYPES[k_cache.dtype]
         if (kv_type >= 2) != (k_scales is not None and v_scales is not None):
@@ -328,7 +339,7 @@ class NativeKernels:
             num_blocks, block_tables.data_ptr(),
             block_tables.shape[1], row_starts.data_ptr(), row_counts.data_ptr(), first_positions.data_ptr(),
             out.data_ptr(), out.stride(0), block_tables.shape[0], q.shape[1], kv_heads, d, block_size, scale,
-            window or 0, torch.get_num_threads())
+            window or 0, _sink_ptr(sinks, q.shape[1]), torch.get_num_threads())
         if status == -1:
             raise IndexError("prompt_attention: a block table or position points outside the KV cache")
         if status:

@@ -106,8 +106,10 @@ class TritonPagedAttention:
             c.copy_prefix(src, dst, n, layer)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               meta: AttentionMetadata) -> torch.Tensor:
+               meta: AttentionMetadata, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """q: [T, H, D]. Returns [T, H * D]."""
+        if sinks is not None:
+            raise ValueError("the Triton attention kernels have no attention sinks yet")
         d: TritonStepData = meta.backend_data
         c = self.cache
         scales = {"k_scale": c.k_scale[layer], "v_scale": c.v_scale[layer]} if c.quantized else {}
