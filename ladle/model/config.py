@@ -123,6 +123,12 @@ class ModelConfig:
         rope = dict(rope.get("full_attention", rope))
         rope_theta = float(d.get("rope_theta", rope.get("rope_theta", 10000.0)))
         scaling = _rope_scaling(d.get("rope_scaling") or rope)
+        if scaling is not None and scaling.get("rope_type", scaling.get("type")) == "yarn":
+            # the context the model was trained on: the config's own field first, as transformers reads it
+            original = d.get("original_max_position_embeddings") or scaling.get("original_max_position_embeddings")
+            original = original or max_positions
+            scaling = {**scaling, "original_max_position_embeddings": original,
+                       "factor": scaling.get("factor") or max_positions / original}
         gemma = GemmaConfig.from_hf_dict(d, name or model_type) if model_type == "gemma3_text" else None
         return cls(
             model_type=model_type,

@@ -158,6 +158,40 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
     return torch.where(medium, blended, scaled)
 
 
+def _yarn_inv_freq(head_dim: int, theta: float, s: dict[str, Any]) -> torch.Tensor:
+    """YaRN: each frequency interpolated (divided by the factor) where its wavelength is long against the
+    original context, kept where it is short, and blended along a linear ramp of dimensions in between."""
+    factor, old_len = s["factor"], s["original_max_position_embeddings"]
+
+    def dim_of(rotations: float) -> float:  # the dimension that turns `rotations` times over the old context
+        return head_dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_of(s.get("beta_fast") or 32), dim_of(s.get("beta_slow") or 1)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low if high != low else 0.001)).clamp(0, 1)
+    kept = 1 - ramp
+    wavelengths = theta ** (torch.arange(0, head_dim, 2).float() / head_dim)  # as transformers rounds each step
+    return 1.0 / (factor * wavelengths) * (1 - kept) + 1.0 / wavelengths * kept
+
+
+def rope_attention_factor(scaling: dict[str, Any] | None) -> float:
+    """What cos and sin are multiplied by: YaRN's attention factor (its mscale), 1 for other RoPEs."""
+    if scaling is None or scaling.get("rope_type", scaling.get("type")) != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    factor = scaling["factor"]
+    if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+        return float(mscale(factor, scaling["mscale"]) / mscale(factor, scaling["mscale_all_dim"]))
+    return mscale(factor)
+
+
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
     # float32 throughout, as transformers computes it, so positions rotate bit-for-bit alike
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
@@ -168,6 +202,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
         inv_freq = inv_freq / scaling["factor"]
     elif kind == "llama3":
         inv_freq = _llama3_inv_freq(inv_freq, scaling)
+    elif kind == "yarn":
+        inv_freq = _yarn_inv_freq(head_dim, theta, scaling)
     else:
         raise ValueError(f"rope_scaling type {kind!r} is not supported yet")
     return inv_freq
@@ -181,8 +217,9 @@ class RotaryEmbedding:
         inv_freq = rope_inv_freq(head_dim, theta, scaling)
         t = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)  # on the CPU, as transformers computes it, then moved
-        self.cos = freqs.cos().to(device)
-        self.sin = freqs.sin().to(device)
+        factor = rope_attention_factor(scaling)
+        self.cos = (freqs.cos() * factor).to(device)
+        self.sin = (freqs.sin() * factor).to(device)
 
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed sin for `positions`, [T, 1, D] each: looked up once per step for all layers."""
