@@ -15,7 +15,7 @@ from tiny_models import build_tiny_model
 
 pytestmark = pytest.mark.isa  # results depend on the instruction set: make test-avx2 runs these again
 
-MOE_KINDS = ["qwen2_moe", "qwen3_moe", "mixtral"]
+MOE_KINDS = ["qwen2_moe", "qwen3_moe", "mixtral", "gpt_oss"]
 
 
 @pytest.fixture(scope="module", params=MOE_KINDS)

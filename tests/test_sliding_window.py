@@ -26,6 +26,7 @@ SLIDING = {
     "alternating": ("qwen3", {"use_sliding_window": True, "sliding_window": WINDOW, "num_hidden_layers": 4,
                               "layer_types": ["sliding_attention", "full_attention"] * 2}),
     "gemma3": ("gemma3", {}),  # tiny_models' Gemma 3 has a window of 8 on alternate layers
+    "gpt-oss": ("gpt_oss", {}),  # and its gpt-oss, with sinks, MoE and YaRN
 }
 MAX_TOKENS = 12
 
@@ -174,3 +175,17 @@ def test_gemma3_config_rules() -> None:
     for capped in ("attn_logit_softcapping", "final_logit_softcapping"):
         with pytest.raises(ValueError, match=f"'google/x' sets {capped}=30.0"):
             ModelConfig.from_hf_dict({**base, capped: 30.0}, name="google/x")
+
+
+def test_gpt_oss_runs_on_one_rank_only() -> None:
+    """Its output-projection and expert biases would be added once per rank: refused, not wrong."""
+    from ladle.model.sharding import Shard
+
+    cfg = ModelConfig.from_hf_dict({"model_type": "gpt_oss", "vocab_size": 100, "hidden_size": 64, "intermediate_size": 32,
+                                    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                                    "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 8,
+                                    "layer_types": ["sliding_attention", "full_attention"]})
+    assert cfg.moe.clamped_swiglu == (1.702, 7.0) and cfg.attention_sinks and cfg.layer_windows == (8, None)
+    for expert_parallel in (False, True):
+        with pytest.raises(ValueError, match="gpt-oss runs on one rank only"):
+            Shard(0, 2, expert_parallel).check(cfg)

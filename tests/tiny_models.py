@@ -12,7 +12,7 @@ SMOLLM2_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_temp
 
 def build_tiny_model(kind: str, out: Path, tokenizer_from: Path, seed: int = 0, **config_overrides) -> Path:
     """Save a small random model of `kind` ("llama", "llama3-rope", "qwen2", "qwen3", "mistral", "gemma3",
-    "qwen2_moe", "qwen3_moe" or "mixtral")
+    "qwen2_moe", "qwen3_moe", "mixtral" or "gpt_oss")
     with a real tokenizer; `config_overrides` go to the transformers config.
 
     Weights are drawn with a wide init so next-token logits are peaked: greedy
@@ -21,7 +21,7 @@ def build_tiny_model(kind: str, out: Path, tokenizer_from: Path, seed: int = 0, 
     import shutil
 
     from transformers import (
-        Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, MixtralConfig, MixtralForCausalLM,
+        Gemma3ForCausalLM, Gemma3TextConfig, GptOssConfig, GptOssForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, MixtralConfig, MixtralForCausalLM,
         Qwen2Config, Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3Config, Qwen3ForCausalLM,
         Qwen3MoeConfig, Qwen3MoeForCausalLM,
     )
@@ -68,6 +68,19 @@ def build_tiny_model(kind: str, out: Path, tokenizer_from: Path, seed: int = 0, 
             for name, param in model.named_parameters():
                 if name.endswith("norm.weight"):
                     param.uniform_(-0.6, 0.6)
+    elif kind == "gpt_oss":
+        # windowed and global layers alternating, 4 experts (top 2) with biases and the clamped SwiGLU,
+        # YaRN over a trained context of 64 positions, and a sink per head
+        yarn = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                "original_max_position_embeddings": 64, "rope_theta": 150000.0}
+        cfg = GptOssConfig(**{"intermediate_size": 32, "num_local_experts": 4, "num_experts_per_tok": 2,
+                              "sliding_window": 8, "num_hidden_layers": 4, "rope_parameters": yarn,
+                              **{k: v for k, v in common.items() if k != "intermediate_size"}})
+        model = GptOssForCausalLM(cfg)
+        with torch.no_grad():  # biases start at 0: draw them (and the sinks) so that each one shows
+            for name, param in model.named_parameters():
+                if name.endswith(("bias", "sinks")):
+                    param.normal_(0, 1.5 if name.endswith("sinks") else 0.5)
     elif kind == "qwen2_moe":  # 8 experts, top 2, a shared expert; layer 1 dense (mlp_only_layers)
         cfg = Qwen2MoeConfig(**{"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                                 "shared_expert_intermediate_size": 64, "mlp_only_layers": [1], **common},
@@ -92,7 +105,7 @@ def build_tiny_model(kind: str, out: Path, tokenizer_from: Path, seed: int = 0, 
         model = MixtralForCausalLM(cfg)
     else:
         raise ValueError(kind)
-    if kind.endswith("moe") or kind == "mixtral":
+    if kind.endswith("moe") or kind in ("mixtral", "gpt_oss"):
         _spread_router(model)
     model.save_pretrained(out)
     for name in SMOLLM2_TOKENIZER_FILES:
@@ -105,5 +118,5 @@ def _spread_router(model) -> None:
     """Router weights drawn wide, so top-k choices are not near ties that the last bit decides."""
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name.endswith("gate.weight") and param.dim() == 2 and "shared_expert_gate" not in name:
+            if name.endswith(("gate.weight", "router.weight")) and param.dim() == 2 and "shared_expert_gate" not in name:
                 param.normal_(0, 1.0)

@@ -7,8 +7,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "qwen2_moe", "qwen3_moe", "mixtral", "gemma3_text")
-MOE_ARCHITECTURES = ("qwen2_moe", "qwen3_moe", "mixtral")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "qwen2_moe", "qwen3_moe", "mixtral", "gemma3_text",
+                           "gpt_oss")
+MOE_ARCHITECTURES = ("qwen2_moe", "qwen3_moe", "mixtral", "gpt_oss")
 
 
 @dataclass
@@ -21,11 +22,20 @@ class MoEConfig:
     norm_topk_prob: bool  # renormalise the k chosen probabilities to sum to 1
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE: a dense expert every token takes, sigmoid-gated
     sparse_layers: frozenset[int] = frozenset()  # the layers with a MoE MLP (the others are dense)
+    # gpt-oss: the router and the experts carry biases, the weights are the softmax of the top k logits,
+    # and each expert's SwiGLU is clamped: (alpha, limit)
+    biases: bool = False
+    softmax_of_top_k: bool = False
+    clamped_swiglu: tuple[float, float] | None = None
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any], model_type: str, num_layers: int) -> "MoEConfig":
         # transformers 5 names the count num_local_experts for Qwen3-MoE too
         num_experts = d.get("num_experts") or d["num_local_experts"]
+        if model_type == "gpt_oss":
+            return cls(num_experts, d["num_experts_per_tok"], d["intermediate_size"], True,
+                       sparse_layers=frozenset(range(num_layers)), biases=True, softmax_of_top_k=True,
+                       clamped_swiglu=(float(d.get("swiglu_alpha", 1.702)), float(d.get("swiglu_limit", 7.0))))
         if model_type == "mixtral":
             return cls(num_experts, d["num_experts_per_tok"], d["intermediate_size"], True,
                        sparse_layers=frozenset(range(num_layers)))
@@ -88,6 +98,8 @@ class ModelConfig:
     tie_word_embeddings: bool
     attention_bias: bool  # Qwen2: bias on q, k and v projections
     qk_norm: bool  # Qwen3: RMSNorm on each head of q and k
+    o_proj_bias: bool = False  # gpt-oss: a bias on the attention's output projection too
+    attention_sinks: bool = False  # gpt-oss: a learned logit per head in each softmax's denominator
     eos_token_ids: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
     moe: MoEConfig | None = None  # Qwen2-MoE, Qwen3-MoE, Mixtral
@@ -146,6 +158,8 @@ class ModelConfig:
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=bool(d.get("attention_bias", d.get("qkv_bias", model_type in ("qwen2", "qwen2_moe")))),
             qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
+            o_proj_bias=model_type == "gpt_oss" and bool(d.get("attention_bias", True)),
+            attention_sinks=model_type == "gpt_oss",
             eos_token_ids=eos_ids,
             bos_token_id=d.get("bos_token_id"),
             moe=MoEConfig.from_hf_dict(d, model_type, d["num_hidden_layers"])

@@ -46,6 +46,7 @@ class DecoderLayerWeights:
     moe: MoEBlock | None = None  # the MLP of a mixture-of-experts layer
     attn_out_norm: torch.Tensor | None = None  # Gemma: norms on the attention's and the MLP's outputs
     mlp_out_norm: torch.Tensor | None = None
+    sinks: torch.Tensor | None = None  # gpt-oss: float32 [heads], a logit per head in the softmax's denominator
 
     @property
     def linears(self) -> tuple[Linear, ...]:
@@ -82,11 +83,12 @@ def _layer_weights(w: dict[str, torch.Tensor | GroupedWeight], i: int, cfg: Mode
         qkv=linear(cat([shard.rows(w.pop(attn + f"{n}_proj.weight"), spans[n]) for n in "qkv"]), bias),
         q_norm=norm(attn + "q_norm.weight") if cfg.qk_norm else None,
         k_norm=norm(attn + "k_norm.weight") if cfg.qk_norm else None,
-        o_proj=linear(shard.columns(o_proj, spans["q"]), None),
+        o_proj=linear(shard.columns(o_proj, spans["q"]), w.pop(attn + "o_proj.bias") if cfg.o_proj_bias else None),
         post_attn_norm=norm(p + ("pre_feedforward_layernorm.weight" if gemma else "post_attention_layernorm.weight")),
         gate_up=gate_up, down=down, moe=moe,
         attn_out_norm=norm(p + "post_attention_layernorm.weight") if gemma else None,
         mlp_out_norm=norm(p + "post_feedforward_layernorm.weight") if gemma else None,
+        sinks=w.pop(attn + "sinks").float().contiguous() if cfg.attention_sinks else None,
     )
 
 
@@ -252,7 +254,7 @@ class LlamaForCausalLM:
                              layer.k_norm, cfg.rms_norm_eps)
             q, k = ops.rotary(q, *rope), ops.rotary(k, *rope)
         self.attention.write_kv(i, k, v, meta)
-        o = self.attention.attend(i, q, k, v, meta)
+        o = self.attention.attend(i, q, k, v, meta, layer.sinks)
         out = layer.o_proj(o, meta.batch_invariant)
         if lora is not None:
             lora.add(i, "o_proj", o, out)

@@ -1,4 +1,4 @@
-"""Mixture-of-experts MLP (Qwen2-MoE, Qwen3-MoE, Mixtral): a router picks each token's top k
+"""Mixture-of-experts MLP (Qwen2-MoE, Qwen3-MoE, Mixtral, gpt-oss): a router picks each token's top k
 experts, the experts' SwiGLU outputs are summed weighted by their probabilities.
 
 Experts run grouped: the (token, choice) pairs are sorted by expert and each active expert
@@ -25,15 +25,27 @@ from ladle.model.sharding import Shard, padded_spans
 Weight = torch.Tensor | GroupedWeight
 
 
+def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's gating: the gate clamped above at limit, up within +-limit, then
+    (up + 1) * gate * sigmoid(alpha * gate)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
 @dataclass
 class Expert:
     """One SwiGLU MLP: gate and up fused, then down."""
 
     gate_up: Linear
     down: Linear
+    clamp: tuple[float, float] | None = None  # gpt-oss's clamped SwiGLU: (alpha, limit)
 
     def __call__(self, x: torch.Tensor, inv: bool) -> torch.Tensor:
-        return self.down(silu_and_mul(self.gate_up(x, inv)), inv)
+        gate_up = self.gate_up(x, inv)
+        act = silu_and_mul(gate_up) if self.clamp is None else clamped_swiglu(gate_up, *self.clamp)
+        return self.down(act, inv)
 
     @property
     def linears(self) -> tuple[Linear, Linear]:
@@ -77,7 +89,11 @@ class MoEBlock:
     def route(self, x: torch.Tensor, inv: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's top-k probabilities (softmax in float32, renormalised where the model does)
         and expert ids, [T, k] each, as transformers computes them."""
-        probs = torch.softmax(self.router(x, inv).float(), dim=-1)
+        logits = self.router(x, inv).float()
+        if self.cfg.softmax_of_top_k:  # gpt-oss: the top k logits, then their softmax
+            top, chosen = torch.topk(logits, self.cfg.top_k, dim=-1)
+            return torch.softmax(top, dim=-1), chosen
+        probs = torch.softmax(logits, dim=-1)
         weights, chosen = torch.topk(probs, self.cfg.top_k, dim=-1)
         if self.cfg.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -136,6 +152,9 @@ class MoEBlock:
 def _expert_weights(w: dict[str, Weight], prefix: str, j: int, model_type: str) -> tuple[Weight, Weight, Weight]:
     """(gate, up, down) of expert j, from per-expert tensors or transformers' fused 3-D ones."""
     e = f"{prefix}experts.{j}."
+    if model_type == "gpt_oss":  # [experts, in, out], gate and up interleaved column by column
+        gate_up, down = w[prefix + "experts.gate_up_proj"][j], w[prefix + "experts.down_proj"][j]
+        return gate_up[:, ::2].t().contiguous(), gate_up[:, 1::2].t().contiguous(), down.t().contiguous()
     if model_type == "mixtral":
         return w.pop(e + "w1.weight"), w.pop(e + "w3.weight"), w.pop(e + "w2.weight")
     if e + "gate_proj.weight" in w:
@@ -152,19 +171,21 @@ def load_moe_block(w: dict[str, Weight], layer: int, cfg: ModelConfig, shard: Sh
     moe = cfg.moe
     prefix = f"model.layers.{layer}." + ("block_sparse_moe." if cfg.model_type == "mixtral" else "mlp.")
 
-    def expert(gate: Weight, up: Weight, down: Weight, whole: bool) -> Expert:
+    def expert(gate: Weight, up: Weight, down: Weight, whole: bool,
+               biases: tuple[torch.Tensor, torch.Tensor] | None = None) -> Expert:
         if not whole:
             span = shard.span(gate.shape[0])
             gate, up, down = shard.rows(gate, span), shard.rows(up, span), shard.columns(down, span)
-        return Expert(linear(cat([gate, up]), None), linear(down, None))
+        gate_up_bias, down_bias = biases or (None, None)
+        return Expert(linear(cat([gate, up]), gate_up_bias), linear(down, down_bias), moe.clamped_swiglu)
 
     held = shard.experts(moe.num_experts)
     experts = []
     for j in range(moe.num_experts):
         parts = _expert_weights(w, prefix, j, cfg.model_type)
         if j in held:
-            experts.append(expert(*parts, whole=shard.expert_parallel))
-    for fused in ("experts.gate_up_proj", "experts.down_proj"):
+            experts.append(expert(*parts, whole=shard.expert_parallel, biases=_expert_biases(w, prefix, j, moe)))
+    for fused in ("experts.gate_up_proj", "experts.down_proj", "experts.gate_up_proj_bias", "experts.down_proj_bias"):
         w.pop(prefix + fused, None)
     shared = shared_gate = None
     if moe.shared_expert_intermediate_size:
@@ -173,5 +194,14 @@ def load_moe_block(w: dict[str, Weight], layer: int, cfg: ModelConfig, shard: Sh
         shared = expert(w.pop(s + "gate_proj.weight"), w.pop(s + "up_proj.weight"), w.pop(s + "down_proj.weight"),
                         whole=shard.expert_parallel)
         shared_gate = linear(w.pop(prefix + "shared_expert_gate.weight"), None)
-    return MoEBlock(moe, linear(w.pop(prefix + "gate.weight"), None), experts, held.start, shared, shared_gate,
-                    shard.expert_parallel, comm)
+    router = (linear(w.pop(prefix + "router.weight"), w.pop(prefix + "router.bias")) if cfg.model_type == "gpt_oss"
+              else linear(w.pop(prefix + "gate.weight"), None))
+    return MoEBlock(moe, router, experts, held.start, shared, shared_gate, shard.expert_parallel, comm)
+
+
+def _expert_biases(w: dict[str, Weight], prefix: str, j: int, moe: MoEConfig) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """gpt-oss: expert j's gate_up bias (gate's then up's, de-interleaved as its weight) and down bias."""
+    if not moe.biases:
+        return None
+    gate_up = w[prefix + "experts.gate_up_proj_bias"][j]
+    return torch.cat((gate_up[::2], gate_up[1::2])), w[prefix + "experts.down_proj_bias"][j]
