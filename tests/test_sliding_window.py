@@ -16,6 +16,7 @@ from test_engine_vs_hf import ENGINE_CASES, LOGPROB_TOL, PROMPTS, check_logprobs
 from tiny_models import build_tiny_model
 
 from ladle import LLM, SamplingParams
+from ladle.model import mxfp4
 from ladle.model.config import ModelConfig
 
 pytestmark = pytest.mark.isa  # results depend on the instruction set: make test-avx2 runs these again
@@ -189,3 +190,40 @@ def test_gpt_oss_runs_on_one_rank_only() -> None:
     for expert_parallel in (False, True):
         with pytest.raises(ValueError, match="gpt-oss runs on one rank only"):
             Shard(0, 2, expert_parallel).check(cfg)
+
+
+def test_an_mxfp4_gpt_oss_gives_its_dequantised_twins_tokens(tmp_path: Path, smollm2_dir: Path) -> None:
+    """A gpt-oss checkpoint whose experts are MXFP4 (random codes and scales: any bytes are a valid
+    packing, no packer of ladle's involved) against transformers on its twin dequantised by
+    transformers' own converter: the same greedy tokens, logprobs within tolerance."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    twin = build_tiny_model("gpt_oss", tmp_path / "twin", smollm2_dir)
+    packed = tmp_path / "mxfp4"
+    packed.mkdir()
+    for f in twin.iterdir():
+        if f.suffix != ".safetensors":
+            (packed / f.name).write_bytes(f.read_bytes())
+    tensors, quantized = {}, {}
+    for f in twin.glob("*.safetensors"):
+        tensors.update(load_file(f))
+    gen = torch.Generator().manual_seed(7)
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        experts, inputs, outputs = tensors[name].shape
+        blocks = torch.randint(0, 256, (experts, outputs, inputs // 32, 16), generator=gen, dtype=torch.uint8)
+        scales = torch.randint(122, 127, (experts, outputs, inputs // 32), generator=gen, dtype=torch.uint8)
+        quantized[name + "_blocks"], quantized[name + "_scales"] = blocks, scales
+        tensors[name] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)  # [experts, in, out]
+        assert torch.equal(mxfp4.dequantize(blocks, scales).transpose(-1, -2), tensors[name])
+    save_file(tensors, twin / "model.safetensors")
+    save_file({**{n: t for n, t in tensors.items() if not n.endswith(("gate_up_proj", "down_proj"))}, **quantized},
+              packed / "model.safetensors")
+    config = json.loads((packed / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["router", "self_attn"]}
+    (packed / "config.json").write_text(json.dumps(config))
+    hf_model = AutoModelForCausalLM.from_pretrained(twin, dtype=torch.float32).eval()
+    check_against_transformers(LLM(str(packed), dtype="float32"), hf_model, PROMPTS[:4])

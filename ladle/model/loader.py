@@ -96,8 +96,9 @@ def holds_quantized_weights(folder: Path) -> bool:
     from safetensors import safe_open
 
     config = Path(folder) / "config.json"
-    if config.is_file() and json.loads(config.read_text()).get("quantization_config"):
-        return True
+    qc = json.loads(config.read_text()).get("quantization_config") if config.is_file() else None
+    if qc:
+        return str(qc.get("quant_method", "")).lower() != "mxfp4"  # MXFP4 experts are dequantised at load
     for file in sorted(Path(folder).glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as f:
             if any(name.endswith(".qweight") for name in f.keys()):
@@ -111,7 +112,7 @@ def load_weights(folder: Path, dtype: torch.dtype | None = None) -> dict[str, to
     blocks (NAME.qweight, .qscales, .qmins, written by the converter beside NAME.weight's float
     values, which they stand in for: GroupedWeight.dequantize gives them back), or a GPTQ or AWQ
     checkpoint's packed 4-bit layers, as config.json's quantization_config names them
-    (ladle.model.int4_checkpoints)."""
+    (ladle.model.int4_checkpoints). MXFP4 experts (gpt-oss) are dequantised (ladle.model.mxfp4)."""
     import json
 
     import torch
@@ -130,7 +131,11 @@ def load_weights(folder: Path, dtype: torch.dtype | None = None) -> dict[str, to
             weights.update((name, f.get_tensor(name)) for name in names if name not in in_blocks)
     config = Path(folder) / "config.json"
     qc = json.loads(config.read_text()).get("quantization_config") if config.is_file() else None
-    if qc:
+    if qc and str(qc.get("quant_method", "")).lower() == "mxfp4":  # gpt-oss's experts
+        from ladle.model import mxfp4
+
+        weights = mxfp4.read_experts(weights)
+    elif qc:
         from ladle.model.int4_checkpoints import read_checkpoint
 
         weights = read_checkpoint(weights, qc)
