@@ -227,3 +227,27 @@ def test_an_mxfp4_gpt_oss_gives_its_dequantised_twins_tokens(tmp_path: Path, smo
     (packed / "config.json").write_text(json.dumps(config))
     hf_model = AutoModelForCausalLM.from_pretrained(twin, dtype=torch.float32).eval()
     check_against_transformers(LLM(str(packed), dtype="float32"), hf_model, PROMPTS[:4])
+
+
+def test_decisions_match_transformers(sliding) -> None:
+    """A decision over HTTP on each family: its options' probabilities are the softmax of transformers'
+    logits for the option tokens at the end of the prompt ladle rendered (returned with the answer)."""
+    import httpx
+    from server_utils import own_server
+
+    from ladle.config import EngineConfig
+
+    folder, hf_model = sliding
+    question = {"id": "team", "type": "choice", "question": "Which team should handle this ticket?",
+                "options": [{"name": "billing"}, {"name": "technical"}, {"name": "sales"}]}
+    body = {"input": "The integration keeps failing. " * 4, "questions": [question], "return_prompt_token_ids": True}
+    with own_server(EngineConfig(model=str(folder), dtype="float32")) as server:
+        r = httpx.post(f"{server.url}/v1/decisions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    answer = r.json()["answers"]["team"]
+    assert len(answer["prompt_token_ids"]) > 4 * WINDOW
+    with torch.no_grad():
+        logits = hf_model(torch.tensor([answer["prompt_token_ids"]])).logits[0, -1].double()
+    expected = torch.softmax(logits[answer["label_token_ids"]], dim=0)
+    got = torch.tensor(list(answer["probabilities"].values()), dtype=torch.float64)
+    assert (got - expected).abs().max() < 1e-4, (got, expected)
