@@ -47,7 +47,8 @@ def test_rotary_tables_are_transformers_bit_for_bit(name: str) -> None:
     ours_cos, ours_sin = RotaryEmbedding(cfg.head_dim, 2048, cfg.rope_theta, cfg.rope_scaling).tables(positions)
     half = cfg.head_dim // 2  # ladle's sin carries rotate_half's sign in its first half
     assert torch.equal(ours_cos[:, 0], cos[0])
-    assert torch.equal(ours_sin[:, 0, half:], sin[0, :, half:]) and torch.equal(-ours_sin[:, 0, :half], sin[0, :, :half])
+    assert torch.equal(ours_sin[:, 0, half:], sin[0, :, half:])
+    assert torch.equal(-ours_sin[:, 0, :half], sin[0, :, :half])
 
 
 def test_a_yarn_model_matches_transformers(tmp_path: Path, smollm2_dir: Path) -> None:

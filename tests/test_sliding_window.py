@@ -162,15 +162,16 @@ def test_gemma3_config_rules() -> None:
             "num_hidden_layers": 12, "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 256,
             "max_position_embeddings": 131072, "sliding_window": 1024}
     hub = ModelConfig.from_hf_dict({**base, "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0,
-                                    "rope_scaling": {"rope_type": "linear", "factor": 8.0}, "query_pre_attn_scalar": 256})
+                                    "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+                                    "query_pre_attn_scalar": 256})
     assert hub.layer_windows == ((1024,) * 5 + (None,)) * 2
     assert (hub.rope_theta, hub.rope_scaling["factor"]) == (1000000.0, 8.0)
     assert (hub.gemma.local_rope_theta, hub.gemma.local_rope_scaling) == (10000.0, None)
     assert hub.attention_scale == 256**-0.5 and hub.qk_norm
-    v5 = ModelConfig.from_hf_dict({**base, "query_pre_attn_scalar": 24, "layer_types": ["sliding_attention",
-                                                                                        "full_attention"] * 6,
-                                   "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
-                                                       "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}})
+    ropes = {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+             "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}
+    v5 = ModelConfig.from_hf_dict({**base, "query_pre_attn_scalar": 24, "rope_parameters": ropes,
+                                   "layer_types": ["sliding_attention", "full_attention"] * 6})
     assert v5.layer_windows == (1024, None) * 6 and (v5.rope_theta, v5.rope_scaling) == (1e6, None)
     assert v5.gemma.local_rope_theta == 1e4 and v5.attention_scale == 24**-0.5
     for capped in ("attn_logit_softcapping", "final_logit_softcapping"):
@@ -182,8 +183,9 @@ def test_gpt_oss_runs_on_one_rank_only() -> None:
     """Its output-projection and expert biases would be added once per rank: refused, not wrong."""
     from ladle.model.sharding import Shard
 
-    cfg = ModelConfig.from_hf_dict({"model_type": "gpt_oss", "vocab_size": 100, "hidden_size": 64, "intermediate_size": 32,
-                                    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+    cfg = ModelConfig.from_hf_dict({"model_type": "gpt_oss", "vocab_size": 100, "hidden_size": 64,
+                                    "intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+                                    "num_key_value_heads": 2,
                                     "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 8,
                                     "layer_types": ["sliding_attention", "full_attention"]})
     assert cfg.moe.clamped_swiglu == (1.702, 7.0) and cfg.attention_sinks and cfg.layer_windows == (8, None)

@@ -118,5 +118,6 @@ def _spread_router(model) -> None:
     """Router weights drawn wide, so top-k choices are not near ties that the last bit decides."""
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name.endswith(("gate.weight", "router.weight")) and param.dim() == 2 and "shared_expert_gate" not in name:
+            routes = name.endswith(("gate.weight", "router.weight")) and "shared_expert_gate" not in name
+            if routes and param.dim() == 2:
                 param.normal_(0, 1.0)

@@ -170,7 +170,8 @@ def _yarn_inv_freq(head_dim: int, theta: float, s: dict[str, Any]) -> torch.Tens
     if s.get("truncate", True):
         low, high = math.floor(low), math.ceil(high)
     low, high = max(low, 0), min(high, head_dim - 1)
-    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low if high != low else 0.001)).clamp(0, 1)
+    span = high - low if high != low else 0.001
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / span).clamp(0, 1)
     kept = 1 - ramp
     wavelengths = theta ** (torch.arange(0, head_dim, 2).float() / head_dim)  # as transformers rounds each step
     return 1.0 / (factor * wavelengths) * (1 - kept) + 1.0 / wavelengths * kept

@@ -199,7 +199,8 @@ def load_moe_block(w: dict[str, Weight], layer: int, cfg: ModelConfig, shard: Sh
     return MoEBlock(moe, router, experts, held.start, shared, shared_gate, shard.expert_parallel, comm)
 
 
-def _expert_biases(w: dict[str, Weight], prefix: str, j: int, moe: MoEConfig) -> tuple[torch.Tensor, torch.Tensor] | None:
+def _expert_biases(w: dict[str, Weight], prefix: str, j: int,
+                   moe: MoEConfig) -> tuple[torch.Tensor, torch.Tensor] | None:
     """gpt-oss: expert j's gate_up bias (gate's then up's, de-interleaved as its weight) and down bias."""
     if not moe.biases:
         return None
