@@ -253,3 +253,17 @@ def test_decisions_match_transformers(sliding) -> None:
     expected = torch.softmax(logits[answer["label_token_ids"]], dim=0)
     got = torch.tensor(list(answer["probabilities"].values()), dtype=torch.float64)
     assert (got - expected).abs().max() < 1e-4, (got, expected)
+
+
+def test_a_gemma3_image_and_text_checkpoint_serves_text(tmp_path: Path, smollm2_dir: Path) -> None:
+    """Gemma 3's 4B-27B checkpoints hold a vision tower beside the language model: ladle reads the
+    language model alone (its config's text_config, defaults filled in as transformers fills them)
+    and matches transformers' image-and-text class on text."""
+    from transformers import AutoModelForImageTextToText
+
+    folder = build_tiny_model("gemma3-vision", tmp_path / "gemma3-vision", smollm2_dir)
+    hf_model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
+    assert type(hf_model).__name__ == "Gemma3ForConditionalGeneration"
+    llm = LLM(str(folder), dtype="float32")
+    assert llm.engine.model_config.layer_windows == (WINDOW, None) * 2
+    check_against_transformers(llm, hf_model, PROMPTS[:4])

@@ -12,7 +12,7 @@ SMOLLM2_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_temp
 
 def build_tiny_model(kind: str, out: Path, tokenizer_from: Path, seed: int = 0, **config_overrides) -> Path:
     """Save a small random model of `kind` ("llama", "llama3-rope", "qwen2", "qwen3", "mistral", "gemma3",
-    "qwen2_moe", "qwen3_moe", "mixtral" or "gpt_oss")
+    "gemma3-vision", "qwen2_moe", "qwen3_moe", "mixtral" or "gpt_oss")
     with a real tokenizer; `config_overrides` go to the transformers config.
 
     Weights are drawn with a wide init so next-token logits are peaked: greedy
@@ -58,12 +58,21 @@ def build_tiny_model(kind: str, out: Path, tokenizer_from: Path, seed: int = 0, 
     elif kind == "mistral":
         cfg = MistralConfig(**{"sliding_window": None, **common}, rope_theta=1000000.0, tie_word_embeddings=False)
         model = MistralForCausalLM(cfg)
-    elif kind == "gemma3":
+    elif kind in ("gemma3", "gemma3-vision"):
         # windowed and global layers alternating, each kind with its RoPE base; q . k scaled by
         # query_pre_attn_scalar^-0.5 (24, not head_dim 32), so a missed Gemma departure shows
         cfg = Gemma3TextConfig(**{"head_dim": 32, "query_pre_attn_scalar": 24, "sliding_window": 8,
-                                  "sliding_window_pattern": 2, "num_hidden_layers": 4, **common})
-        model = Gemma3ForCausalLM(cfg)
+                                  "sliding_window_pattern": 2, **common,
+                                  "num_hidden_layers": config_overrides.get("num_hidden_layers", 4)})
+        if kind == "gemma3":
+            model = Gemma3ForCausalLM(cfg)
+        else:  # the image-and-text checkpoint: a small SigLIP tower and its projector beside the same language model
+            from transformers import Gemma3Config, Gemma3ForConditionalGeneration, SiglipVisionConfig
+
+            vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                        num_attention_heads=2, image_size=28, patch_size=14)
+            both = Gemma3Config(text_config=cfg.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=4)
+            model = Gemma3ForConditionalGeneration(both)
         with torch.no_grad():  # norm weights start at 0 (a scale of 1 + 0): spread them, so a missed +1 shows
             for name, param in model.named_parameters():
                 if name.endswith("norm.weight"):
@@ -73,9 +82,10 @@ def build_tiny_model(kind: str, out: Path, tokenizer_from: Path, seed: int = 0, 
         # YaRN over a trained context of 64 positions, and a sink per head
         yarn = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                 "original_max_position_embeddings": 64, "rope_theta": 150000.0}
-        cfg = GptOssConfig(**{"intermediate_size": 32, "num_local_experts": 4, "num_experts_per_tok": 2,
-                              "sliding_window": 8, "num_hidden_layers": 4, "rope_parameters": yarn,
-                              **{k: v for k, v in common.items() if k != "intermediate_size"}})
+        cfg = GptOssConfig(**{"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 8,
+                              "rope_parameters": yarn, **common,
+                              "intermediate_size": config_overrides.get("intermediate_size", 32),
+                              "num_hidden_layers": config_overrides.get("num_hidden_layers", 4)})
         model = GptOssForCausalLM(cfg)
         with torch.no_grad():  # biases start at 0: draw them (and the sinks) so that each one shows
             for name, param in model.named_parameters():

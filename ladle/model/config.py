@@ -74,6 +74,15 @@ class GemmaConfig:
         return cls(float(d.get("query_pre_attn_scalar", 256)), float(local["rope_theta"]), _rope_scaling(local))
 
 
+def gemma3_text_config(d: dict[str, Any]) -> dict[str, Any]:
+    """The language model's config of a Gemma 3 image-and-text checkpoint, its defaults filled in as
+    transformers fills them (the Hub's configs name only what differs from Gemma3TextConfig's)."""
+    from transformers import Gemma3TextConfig
+
+    text = Gemma3TextConfig(**{k: v for k, v in d.get("text_config", {}).items() if k != "model_type"}).to_dict()
+    return {**text, "model_type": "gemma3_text"}
+
+
 def _rope_scaling(rope: dict[str, Any] | None) -> dict[str, Any] | None:
     """A rope_scaling dict, None for plain RoPE."""
     if not rope or rope.get("rope_type", rope.get("type", "default")) == "default":
@@ -120,6 +129,8 @@ class ModelConfig:
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any], name: str | None = None) -> "ModelConfig":
         """`name` (the model's folder, say) only labels errors."""
+        if d.get("model_type") == "gemma3":  # Gemma 3's image-and-text checkpoints: their language model
+            d = gemma3_text_config(d)
         model_type = d.get("model_type", "llama")
         if model_type not in SUPPORTED_ARCHITECTURES:
             raise ValueError(

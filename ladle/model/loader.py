@@ -106,6 +106,16 @@ def holds_quantized_weights(folder: Path) -> bool:
     return False
 
 
+def language_model_name(name: str) -> str | None:
+    """An image-and-text checkpoint's tensor under its language model's own name (None: the vision
+    tower's and the projector's, which text alone never reads), in the Hub's naming and transformers 5's."""
+    for prefix, renamed in (("language_model.model.", "model."), ("model.language_model.", "model."),
+                            ("language_model.lm_head.", "lm_head."), ("lm_head.", "lm_head.")):
+        if name.startswith(prefix):
+            return renamed + name.removeprefix(prefix)
+    return None
+
+
 def load_weights(folder: Path, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor | GroupedWeight]:
     """All tensors of the *.safetensors files in `folder` (sharded or not), with HF names, float ones in
     `dtype` (default float32). Quantised layers become one GroupedWeight under NAME.weight: a GGUF's
@@ -123,13 +133,17 @@ def load_weights(folder: Path, dtype: torch.dtype | None = None) -> dict[str, to
     files = sorted(Path(folder).glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {folder}")
+    config = Path(folder) / "config.json"
+    text_only = config.is_file() and json.loads(config.read_text()).get("model_type") == "gemma3"
     weights: dict[str, torch.Tensor] = {}
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             names = list(f.keys())
             in_blocks = {n.removesuffix(".qweight") + ".weight" for n in names if n.endswith(".qweight")}
-            weights.update((name, f.get_tensor(name)) for name in names if name not in in_blocks)
-    config = Path(folder) / "config.json"
+            for name in names:
+                kept = language_model_name(name) if text_only else name
+                if kept is not None and name not in in_blocks:
+                    weights[kept] = f.get_tensor(name)
     qc = json.loads(config.read_text()).get("quantization_config") if config.is_file() else None
     if qc and str(qc.get("quant_method", "")).lower() == "mxfp4":  # gpt-oss's experts
         from ladle.model import mxfp4
