@@ -267,3 +267,21 @@ def test_a_gemma3_image_and_text_checkpoint_serves_text(tmp_path: Path, smollm2_
     llm = LLM(str(folder), dtype="float32")
     assert llm.engine.model_config.layer_windows == (WINDOW, None) * 2
     check_against_transformers(llm, hf_model, PROMPTS[:4])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gemma_norms_round_as_transformers_does(dtype: torch.dtype) -> None:
+    """In reduced precision Gemma multiplies the normed float32 row by (1 + weight) before rounding,
+    where Llama rounds first: ladle's norm with Gemma's float32 scale is transformers' module bit for bit."""
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+
+    from ladle.model.layers import rms_norm
+
+    gen = torch.Generator().manual_seed(4)
+    norm = Gemma3RMSNorm(256, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(256, generator=gen).to(dtype))  # as a checkpoint holds it
+    x = (torch.randn(64, 256, generator=gen) * 3).to(dtype)
+    with torch.no_grad():
+        expected = norm.to(dtype)(x)
+    assert torch.equal(rms_norm(x, 1.0 + norm.weight.detach().float(), 1e-6), expected)

@@ -93,9 +93,9 @@ def _layer_weights(w: dict[str, torch.Tensor | GroupedWeight], i: int, cfg: Mode
 
 
 def _norm_weight(weight: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
-    """An RMSNorm's scale as ladle multiplies by it: Gemma's norms multiply by (1 + weight), added in
-    float32 as transformers adds it."""
-    return (1.0 + weight.float()).to(weight.dtype) if cfg.gemma is not None else weight
+    """An RMSNorm's scale as ladle multiplies by it: Gemma's norms multiply by (1 + weight), kept in
+    float32, where transformers multiplies before rounding to the compute dtype (layers.rms_norm)."""
+    return 1.0 + weight.float() if cfg.gemma is not None else weight
 
 
 @dataclass
