@@ -338,13 +338,16 @@ class TorchPagedAttention:
         n = span.end - span.start
         qs = q[span.start : span.end].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
         window = self.window(layer)
-        if span.context_len == n and not self.cache.quantized and window is None and sinks is None:  # fresh K/V
+        fresh = span.context_len == n and not self.cache.quantized
+        if fresh:  # nothing cached before: the fresh K/V
             ks = k[span.start : span.end]
             vs = v[span.start : span.end]
-            mask, causal = None, True
         else:  # an 8-bit cache is read even for fresh tokens, so every path sees the same K/V
             ks = self._gather(layer, "k", span.block_table, q.dtype)[: span.context_len]
             vs = self._gather(layer, "v", span.block_table, q.dtype)[: span.context_len]
+        if fresh and window is None and sinks is None:
+            mask, causal = None, True
+        else:
             positions = torch.arange(span.context_len, device=q.device)
             mask, causal = window_mask(positions[span.context_len - n :], positions, window), False
         ks = ks.transpose(0, 1).unsqueeze(0)

@@ -83,11 +83,14 @@ def gemma3_text_config(d: dict[str, Any]) -> dict[str, Any]:
     return {**text, "model_type": "gemma3_text"}
 
 
+def rope_type(scaling: dict[str, Any] | None) -> str:
+    """A rope_scaling dict's kind ("type" in older configs); "default" for none."""
+    return "default" if not scaling else scaling.get("rope_type", scaling.get("type", "default"))
+
+
 def _rope_scaling(rope: dict[str, Any] | None) -> dict[str, Any] | None:
     """A rope_scaling dict, None for plain RoPE."""
-    if not rope or rope.get("rope_type", rope.get("type", "default")) == "default":
-        return None
-    return rope
+    return None if rope_type(rope) == "default" else rope
 
 
 @dataclass
@@ -118,10 +121,6 @@ class ModelConfig:
     gemma: GemmaConfig | None = None  # Gemma 3's departures from Llama
 
     @property
-    def sliding(self) -> bool:
-        return any(w is not None for w in self.layer_windows)
-
-    @property
     def attention_scale(self) -> float:
         """What q . k is multiplied by before the softmax."""
         return (self.gemma.query_pre_attn_scalar if self.gemma else self.head_dim) ** -0.5
@@ -146,7 +145,7 @@ class ModelConfig:
         rope = dict(rope.get("full_attention", rope))
         rope_theta = float(d.get("rope_theta", rope.get("rope_theta", 10000.0)))
         scaling = _rope_scaling(d.get("rope_scaling") or rope)
-        if scaling is not None and scaling.get("rope_type", scaling.get("type")) == "yarn":
+        if rope_type(scaling) == "yarn":
             # the context the model was trained on: the config's own field first, as transformers reads it
             original = d.get("original_max_position_embeddings") or scaling.get("original_max_position_embeddings")
             original = original or max_positions

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from ladle.model import kernels
+from ladle.model.config import rope_type
 from ladle.model.kernels.routing import MatmulRouting
 
 
@@ -182,7 +183,7 @@ def _yarn_inv_freq(head_dim: int, theta: float, s: dict[str, Any]) -> torch.Tens
 
 def rope_attention_factor(scaling: dict[str, Any] | None) -> float:
     """What cos and sin are multiplied by: YaRN's attention factor (its mscale), 1 for other RoPEs."""
-    if scaling is None or scaling.get("rope_type", scaling.get("type")) != "yarn":
+    if rope_type(scaling) != "yarn":
         return 1.0
     if scaling.get("attention_factor") is not None:
         return float(scaling["attention_factor"])
@@ -199,8 +200,8 @@ def rope_attention_factor(scaling: dict[str, Any] | None) -> float:
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
     # float32 throughout, as transformers computes it, so positions rotate bit-for-bit alike
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    kind = None if scaling is None else scaling.get("rope_type", scaling.get("type"))
-    if kind in (None, "default"):
+    kind = rope_type(scaling)
+    if kind == "default":
         pass
     elif kind == "linear":
         inv_freq = inv_freq / scaling["factor"]

@@ -88,17 +88,27 @@ def resolve_model_path(model: str | Path | None, revision: str | None = None,
     return convert_gguf(path, out)
 
 
+def _config(folder: Path) -> dict:
+    """config.json of `folder`, or {} where it has none."""
+    import json
+
+    config = Path(folder) / "config.json"
+    return json.loads(config.read_text()) if config.is_file() else {}
+
+
+def _is_mxfp4(qc: dict) -> bool:
+    """Whether a quantization_config is gpt-oss's MXFP4 experts (dequantised at load: float layers)."""
+    return str(qc.get("quant_method", "")).lower() == "mxfp4"
+
+
 def holds_quantized_weights(folder: Path) -> bool:
     """Whether load_weights gives `folder`'s linear layers as GroupedWeights: a GGUF's blocks, or a
     GPTQ / AWQ checkpoint (read from the file headers and config.json, no tensor loaded)."""
-    import json
-
     from safetensors import safe_open
 
-    config = Path(folder) / "config.json"
-    qc = json.loads(config.read_text()).get("quantization_config") if config.is_file() else None
+    qc = _config(folder).get("quantization_config")
     if qc:
-        return str(qc.get("quant_method", "")).lower() != "mxfp4"  # MXFP4 experts are dequantised at load
+        return not _is_mxfp4(qc)
     for file in sorted(Path(folder).glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as f:
             if any(name.endswith(".qweight") for name in f.keys()):
@@ -123,8 +133,6 @@ def load_weights(folder: Path, dtype: torch.dtype | None = None) -> dict[str, to
     values, which they stand in for: GroupedWeight.dequantize gives them back), or a GPTQ or AWQ
     checkpoint's packed 4-bit layers, as config.json's quantization_config names them
     (ladle.model.int4_checkpoints). MXFP4 experts (gpt-oss) are dequantised (ladle.model.mxfp4)."""
-    import json
-
     import torch
     from safetensors import safe_open
 
@@ -133,8 +141,8 @@ def load_weights(folder: Path, dtype: torch.dtype | None = None) -> dict[str, to
     files = sorted(Path(folder).glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {folder}")
-    config = Path(folder) / "config.json"
-    text_only = config.is_file() and json.loads(config.read_text()).get("model_type") == "gemma3"
+    config = _config(folder)
+    text_only = config.get("model_type") == "gemma3"
     weights: dict[str, torch.Tensor] = {}
     for file in files:
         with safe_open(str(file), framework="pt") as f:
@@ -144,8 +152,8 @@ def load_weights(folder: Path, dtype: torch.dtype | None = None) -> dict[str, to
                 kept = language_model_name(name) if text_only else name
                 if kept is not None and name not in in_blocks:
                     weights[kept] = f.get_tensor(name)
-    qc = json.loads(config.read_text()).get("quantization_config") if config.is_file() else None
-    if qc and str(qc.get("quant_method", "")).lower() == "mxfp4":  # gpt-oss's experts
+    qc = config.get("quantization_config")
+    if qc and _is_mxfp4(qc):  # gpt-oss's experts
         from ladle.model import mxfp4
 
         weights = mxfp4.read_experts(weights)

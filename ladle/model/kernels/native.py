@@ -18,7 +18,6 @@ def exactly_fp16(t: torch.Tensor) -> bool:
     return torch.equal(t.half().float(), t.float())
 
 
-
 def _sink_ptr(sinks: torch.Tensor | None, heads: int) -> int | None:
     """The kernels' pointer to one float32 sink logit per head, or None."""
     if sinks is None:
@@ -27,6 +26,7 @@ def _sink_ptr(sinks: torch.Tensor | None, heads: int) -> int | None:
         raise ValueError(f"sinks must be a contiguous float32 CPU tensor of {heads} logits, not {tuple(sinks.shape)} "
                          f"{sinks.dtype}")
     return sinks.data_ptr()
+
 
 class NativeKernels:
     """Typed entry points into the library. Operands are float32 CPU tensors laid out as each
