@@ -54,7 +54,7 @@ def test_eviction_publishes_removed_and_subscribers_follow() -> None:
     node = cache.insert(None, tuple(range(BS)), block_id=0)
     cache.mark_unreferenced(0)
     evicted = cache.evict_lru(lambda b: True)
-    assert evicted is node
+    assert evicted == (node, 0)
     seq, events = log.since(start)
     assert events == [BlockStored(node.digest.hex(), cache.root(0).digest.hex(), node.key),
                       BlockRemoved(node.digest.hex())]

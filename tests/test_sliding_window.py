@@ -73,7 +73,11 @@ def test_sliding_models_match_transformers(sliding, case: str) -> None:
     """chunked32: prefill chunks of 32 tokens, each crossing the window's edge; preempting: sequences
     recomputed after losing their blocks."""
     folder, hf_model = sliding
-    llm = LLM(str(folder), dtype="float32", **ENGINE_CASES[case])
+    engine_args = dict(ENGINE_CASES[case])
+    if case == "preempting" and ModelConfig.from_folder(folder).kv_window is not None:
+        # a sequence holds its window's blocks and a step's only: squeeze the pool and the steps harder
+        engine_args.update(num_kv_blocks=8, max_num_batched_tokens=16)
+    llm = LLM(str(folder), dtype="float32", **engine_args)
     assert max(len(llm.tokenizer.encode(p)) for p in PROMPTS) > 4 * WINDOW
     check_against_transformers(llm, hf_model)
     if case == "preempting":

@@ -94,12 +94,15 @@ class LLMEngine:
         pool_tokens = num_blocks * config.block_size
         log.info("KV cache: %d blocks of %d tokens (%d tokens, %s)", num_blocks, config.block_size, pool_tokens,
                  kv_name)
+        window = self._kv_window()
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
+                                 cache_outputs=not config.deterministic, window=window)
         model_len = config.max_model_len or self.model_config.max_position_embeddings
+        if window is not None and self._peak_tokens_held(window) <= pool_tokens:
+            pool_tokens = model_len  # a sequence holds its window and a step's tokens, however long it is
         if model_len > pool_tokens:
             log.warning("max_model_len %d exceeds the KV pool (%d tokens); capping it", model_len, pool_tokens)
         self.max_model_len = min(model_len, pool_tokens, self.model_config.max_position_embeddings)
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
-                                 cache_outputs=not config.deterministic)
         self.kv_events = self._start_kv_events()
         self.scheduler = Scheduler(config, self.kv)
         if self.platform.graphs and not config.enforce_eager:
@@ -123,6 +126,17 @@ class LLMEngine:
         self.handoffs = HandoffStats()
         self._handed_over: list[tuple[str, CompletionDelta]] = []  # first tokens of handoffs, sent next step
         self._seq_ids = itertools.count()
+
+    def _kv_window(self) -> int | None:
+        """Sequences let go of the blocks behind every layer's window, unless this engine hands whole
+        prompts' K/V to another (P/D prefill): those need every block."""
+        transfer = self.config.kv_transfer_config
+        return None if transfer is not None and transfer.produces else self.model_config.kv_window
+
+    def _peak_tokens_held(self, window: int) -> int:
+        """The most tokens' blocks a sequence holds under sliding windows: its window, one step's tokens,
+        and the partial blocks at either end."""
+        return window + self.config.max_num_batched_tokens + 2 * self.config.block_size
 
     def _parallel_spec(self, folder, num_blocks: int) -> "RankSpec | None":
         """What the tensor-parallel ranks are to build; None on one process."""

@@ -8,6 +8,12 @@ least recently used first when the pool needs room).
 Invariant: a sequence holds a path from the tree's root, so every ancestor of a held
 block is held too, and every cached block can eventually be evicted.
 
+Sliding windows (`window`: a model whose every layer has one, the largest of them) break that
+on purpose: a sequence lets go of the blocks wholly behind its window (their table entries turn
+HOLLOW), so a long sequence holds about window / block_size + 1 blocks, not its whole length.
+The tree's inner unreferenced blocks are then evictable too (they go hollow), and a prefix hit
+needs only the blocks its window reaches back to (ladle.engine.prefix_cache).
+
 With a second tier (--kv-offload-gib) an evicted block's K/V goes to local disk under its
 prefix digest, and a later prompt that runs past the tree's match continues matching there:
 those blocks are read back into fresh blocks and join the tree, as if they had never left.
@@ -21,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ladle.engine.prefix_cache import Node, RadixCache, chain_digest
+from ladle.engine.prefix_cache import HOLLOW, Node, RadixCache, chain_digest
 from ladle.engine.request import Sequence
 
 if TYPE_CHECKING:
@@ -94,13 +100,14 @@ class BlockPool:
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 cache_outputs: bool = True):
+                 cache_outputs: bool = True, window: int | None = None):
         self.block_size = block_size
+        self.window = window
         # False in deterministic mode: generated tokens' K/V came from single-token steps,
         # which match a later prompt's prefill bit for bit only with the native kernels.
         self.cache_outputs = cache_outputs
         self.pool = BlockPool(num_blocks)
-        self.cache = RadixCache(block_size) if enable_prefix_caching else None
+        self.cache = RadixCache(block_size, hollow=window is not None) if enable_prefix_caching else None
         self.num_cached_unreferenced = 0
         self.stats = PrefixCacheStats()
         self.offload: OffloadLink | None = None
@@ -137,9 +144,35 @@ class KVCacheManager:
         """Tokens of seq a lookup would find now (read-only; for longest-prefix-match)."""
         if self.cache is None:
             return 0
+        return len(self._match(seq)) * self.block_size
+
+    def _match(self, seq: Sequence) -> list[Node]:
+        """seq's longest cached path whose blocks hold all the K/V a prompt continuing it needs."""
         path = self.cache.match(seq.token_ids, self._max_match_blocks(seq), canonical_only=seq.canonical,
                                 namespace=seq.adapter_id)
-        return len(path) * self.block_size
+        if self.window is None:
+            return path
+        for k in range(len(path), 0, -1):
+            if not any(node.hollow for node in path[self.first_needed_block(k * self.block_size) : k]):
+                return path[:k]
+        return []
+
+    def first_needed_block(self, position: int) -> int:
+        """The first block a query at `position` (or any later one) reads."""
+        if self.window is None:
+            return 0
+        return max(0, position - self.window + 1) // self.block_size
+
+    def release_out_of_window(self, seq: Sequence) -> None:
+        """Let go of seq's blocks that no query from its next token on reads (sliding windows)."""
+        table = seq.block_table
+        end = self.first_needed_block(seq.num_computed_tokens)
+        start = end
+        while start > 0 and table[start - 1] != HOLLOW:
+            start -= 1
+        for k in range(start, end):  # oldest first, so the prefix cache evicts them in that order
+            self._unref(table[k])
+            table[k] = HOLLOW
 
     def _max_match_blocks(self, seq: Sequence) -> int:
         return self.reusable_tokens(seq) // self.block_size
@@ -159,14 +192,14 @@ class KVCacheManager:
         assert not seq.block_table and seq.num_computed_tokens == 0
         if not self.reuses_prefix(seq):
             return 0
-        path = self.cache.match(seq.token_ids, self._max_match_blocks(seq), canonical_only=seq.canonical,
-                                namespace=seq.adapter_id)
-        for node in path:
+        path = self._match(seq)
+        needed = self.first_needed_block(len(path) * self.block_size)
+        for node in path[needed:]:
             self._ref(node.block_id)
-        seq.block_table = [node.block_id for node in path]
+        seq.block_table = [HOLLOW] * needed + [node.block_id for node in path[needed:]]
         seq.num_cached_blocks = len(path)
         seq.num_computed_tokens = len(path) * self.block_size
-        last = self._restore(seq, path[-1] if path else self.cache.root(seq.adapter_id))
+        last = seq.cached_tail = self._restore(seq, path[-1] if path else self.cache.root(seq.adapter_id))
         self._reuse_partial_block(seq, None if last.parent is None else last)
         self.release_pins(seq)
         return seq.num_computed_tokens
@@ -182,7 +215,7 @@ class KVCacheManager:
         for k, tensors in enumerate(blocks):
             key = tuple(tokens[k * bs : (k + 1) * bs])
             node = parent.children.get(key)
-            if node is not None:
+            if node is not None and not node.hollow:
                 self._ref(node.block_id)
             elif self.num_free_blocks > 0:
                 block = self._take_block()
@@ -252,7 +285,8 @@ class KVCacheManager:
         full, rest = divmod(num_tokens, self.block_size)
         blocks = source.block_table[:full]
         for b in blocks:  # before seq lets go of its own, so none of them can be evicted meanwhile
-            self._ref(b)
+            if b != HOLLOW:
+                self._ref(b)
         self.free(seq)
         if rest and self.num_free_blocks == 0:  # no block to copy into: share the full blocks only
             rest = 0
@@ -261,6 +295,7 @@ class KVCacheManager:
         if self.cache is not None:
             while seq.num_cached_blocks < full and self.cache.contains_block(blocks[seq.num_cached_blocks]):
                 seq.num_cached_blocks += 1
+            seq.cached_tail = self.cache.by_block[blocks[seq.num_cached_blocks - 1]] if seq.num_cached_blocks else None
         if rest:
             block = self._take_block()
             seq.block_table.append(block)
@@ -280,11 +315,11 @@ class KVCacheManager:
         full = computed // self.block_size
         bs = self.block_size
         for k in range(seq.num_cached_blocks, full):
-            parent = self.cache.by_block.get(seq.block_table[k - 1]) if k else None
-            if k and parent is None:  # our parent block was replaced by a canonical one: we stay private
+            parent = self._cached_parent(seq, k)
+            if (k and parent is None) or seq.block_table[k] == HOLLOW:
                 return
             key = tuple(seq.token_ids[k * bs : (k + 1) * bs])
-            node = self.cache.insert(parent, key, seq.block_table[k], seq.canonical, seq.adapter_id)
+            node = seq.cached_tail = self.cache.insert(parent, key, seq.block_table[k], seq.canonical, seq.adapter_id)
             if node.block_id != seq.block_table[k]:  # someone cached the same tokens first
                 if seq.canonical and not node.canonical:
                     self._replace_with_canonical(node, seq.block_table[k])
@@ -293,6 +328,16 @@ class KVCacheManager:
                     self._unref(seq.block_table[k])
                     seq.block_table[k] = node.block_id
             seq.num_cached_blocks = k + 1
+
+    def _cached_parent(self, seq: Sequence, k: int) -> Node | None:
+        """The tree node seq's block k goes under: None for the first block, or where seq's path left
+        the tree (its parent block was replaced by a canonical one or evicted: seq stays private)."""
+        parent = seq.cached_tail if k else None
+        if parent is None or parent.detached or seq.num_cached_blocks != k:
+            return None
+        if seq.block_table[k - 1] not in (HOLLOW, parent.block_id):
+            return None
+        return parent
 
     def _replace_with_canonical(self, node, block_id: int) -> None:
         old = self.cache.replace_block(node, block_id)
@@ -334,9 +379,11 @@ class KVCacheManager:
         # Tail first: leaves become evictable before their parents, and the free list
         # hands a sequence's blocks out in order again.
         for b in reversed(seq.block_table):
-            self._unref(b)
+            if b != HOLLOW:
+                self._unref(b)
         seq.block_table = []
         seq.num_cached_blocks = 0
+        seq.cached_tail = None
         seq.pending_copy = seq.in_step_copy = None
 
     def _cache_partial_block(self, seq: Sequence) -> None:
@@ -352,7 +399,7 @@ class KVCacheManager:
         block = seq.block_table[full]
         if self.pool.ref_counts[block] != 1:
             return
-        parent = self.cache.by_block.get(seq.block_table[full - 1]) if full else None
+        parent = self._cached_parent(seq, full)
         if full and parent is None:
             return
         key = tuple(seq.token_ids[full * self.block_size : computed])
@@ -378,18 +425,19 @@ class KVCacheManager:
         cached). True when nothing is left cached; False when running sequences hold some."""
         if self.cache is None:
             return True
-        while (node := self.cache.evict_lru(lambda b: self.pool.ref_counts[b] == 0)) is not None:
+        while (evicted := self.cache.evict_lru(lambda b: self.pool.ref_counts[b] == 0)) is not None:
             self.num_cached_unreferenced -= 1  # dropped, not evicted for room: no eviction counted
-            self.pool.free_ids.append(node.block_id)
+            self.pool.free_ids.append(evicted[1])
         if self.offload is not None:
             self.offload.tier.clear()
         return len(self.cache) == 0
 
     def _evict_one(self) -> None:
-        node = self.cache.evict_lru(lambda b: self.pool.ref_counts[b] == 0) if self.cache else None
-        assert node is not None, "no block to evict although the count said there was"
+        evicted = self.cache.evict_lru(lambda b: self.pool.ref_counts[b] == 0) if self.cache else None
+        assert evicted is not None, "no block to evict although the count said there was"
+        node, block = evicted
         if self.offload is not None and len(node.key) == self.block_size:  # before anything writes over it
-            self.offload.tier.store(node.digest, self.offload.block_views(node.block_id), node.canonical)
+            self.offload.tier.store(node.digest, self.offload.block_views(block), node.canonical)
         self.num_cached_unreferenced -= 1
         self.stats.evictions += 1
-        self.pool.free_ids.append(node.block_id)
+        self.pool.free_ids.append(block)

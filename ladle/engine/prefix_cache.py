@@ -22,6 +22,13 @@ tokens give other K/V under another adapter.
 
 Every node also carries a digest of its namespace and whole token prefix (chained block by
 block), the name its K/V goes by once evicted to the second tier (ladle.engine.kv_offload).
+
+Under sliding windows (`hollow=True`: a model whose every layer has one) a sequence lets go of the
+blocks behind its window, so an unreferenced block may sit below referenced ones. Such an inner
+node is evicted by going hollow: its block goes back to the pool and the node stays as a step of
+the path (its tokens and digest), holding no K/V. A prompt may then match through hollow nodes
+as long as the blocks its window needs hold theirs (KVCacheManager decides how far); a sequence
+that computes a hollow node's tokens again fills it. A hollow node with no children left goes.
 """
 
 from __future__ import annotations
@@ -33,17 +40,23 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 Key = tuple[int, ...]
+HOLLOW = -1  # the block id of a node (or a block-table entry) whose K/V were let go
 
 
 @dataclass(eq=False)
 class Node:
     key: Key
-    block_id: int
+    block_id: int  # HOLLOW: its K/V were let go (sliding windows), the node only keeps the path
     parent: "Node | None"
     canonical: bool = False
     children: dict[Key, "Node"] = field(default_factory=dict)
     digest: bytes = b""  # of the namespace and every token from the root through this block
     namespace: int = 0  # the tree it is in: 0 for the base model, else a LoRA adapter's id
+    detached: bool = False  # removed from the tree
+
+    @property
+    def hollow(self) -> bool:
+        return self.block_id == HOLLOW
 
 
 class CacheListener(Protocol):
@@ -65,8 +78,9 @@ def chain_digest(parent: bytes, key: Key) -> bytes:
 
 
 class RadixCache:
-    def __init__(self, block_size: int):
+    def __init__(self, block_size: int, hollow: bool = False):
         self.block_size = block_size
+        self.hollow = hollow  # inner nodes may be evicted by going hollow (sliding windows)
         self.roots: dict[int, Node] = {}  # namespace -> its tree's root
         self.by_block: dict[int, Node] = {}
         self.evictable: OrderedDict[int, Node] = OrderedDict()  # unreferenced leaves, oldest first
@@ -87,7 +101,8 @@ class RadixCache:
         return node
 
     def match(self, tokens: list[int], max_blocks: int, canonical_only: bool = False, namespace: int = 0) -> list[Node]:
-        """Longest cached path for tokens, at most max_blocks deep (read-only)."""
+        """Longest cached path for tokens, at most max_blocks deep (read-only). Hollow nodes are
+        steps of it too: the caller decides which K/V it needs."""
         path, node = [], self.root(namespace)
         for key in self._keys(tokens, max_blocks):
             node = node.children.get(key)
@@ -102,7 +117,7 @@ class RadixCache:
         `tokens`: (node, count)."""
         best, best_len = None, 0
         for key, child in (parent or self.root(namespace)).children.items():
-            if canonical_only and not child.canonical:
+            if (canonical_only and not child.canonical) or child.hollow:
                 continue
             n = 0
             for a, b in zip(key, tokens):
@@ -116,16 +131,22 @@ class RadixCache:
     def insert(self, parent: Node | None, key: Key, block_id: int, canonical: bool = False,
                namespace: int = 0) -> Node:
         """Add block_id under parent (None: the namespace's root). If that block content is already
-        cached, the existing node is returned and block_id stays private."""
+        cached, the existing node is returned and block_id stays private; a hollow one is filled."""
         parent = parent or self.root(namespace)
         existing = parent.children.get(key)
+        if existing is not None and existing.hollow:
+            existing.block_id, existing.canonical = block_id, canonical
+            self.by_block[block_id] = existing
+            if self.listener is not None:
+                self.listener.on_stored(existing)
         if existing is not None:
             return existing
         node = Node(key=key, block_id=block_id, parent=parent, canonical=canonical,
                     digest=chain_digest(parent.digest, key), namespace=parent.namespace)
         parent.children[key] = node
         self.by_block[block_id] = node
-        self.evictable.pop(parent.block_id, None)  # a parent with children is no leaf
+        if not self.hollow:
+            self.evictable.pop(parent.block_id, None)  # a parent with children is no leaf
         if self.listener is not None:
             self.listener.on_stored(node)
         return node
@@ -148,20 +169,33 @@ class RadixCache:
 
     def mark_unreferenced(self, block_id: int) -> None:
         node = self.by_block[block_id]
-        if not node.children:
+        if self.hollow or not node.children:
             self.evictable[block_id] = node
             self.evictable.move_to_end(block_id)
 
-    def evict_lru(self, is_unreferenced) -> Node | None:
-        """Remove the least recently used unreferenced leaf and return it."""
+    def evict_lru(self, is_unreferenced) -> tuple[Node, int] | None:
+        """Evict the least recently used unreferenced block: remove its node, a leaf, or leave an
+        inner one hollow. Returns the node and the block it let go."""
         if not self.evictable:
             return None
         block_id, node = self.evictable.popitem(last=False)
         del self.by_block[block_id]
-        parent = node.parent
-        del parent.children[node.key]
-        if parent.parent is not None and not parent.children and is_unreferenced(parent.block_id):
-            self.evictable[parent.block_id] = parent
+        if node.children:
+            node.block_id = HOLLOW
+        else:
+            self._remove(node, is_unreferenced)
         if self.listener is not None:
             self.listener.on_removed(node)
-        return node
+        return node, block_id
+
+    def _remove(self, node: Node, is_unreferenced) -> None:
+        """Take a childless node out of the tree, and its parent too if that leaves it a hollow leaf."""
+        parent = node.parent
+        del parent.children[node.key]
+        node.detached = True
+        if parent.parent is None or parent.children:
+            return
+        if parent.hollow:
+            self._remove(parent, is_unreferenced)
+        elif is_unreferenced(parent.block_id):
+            self.evictable[parent.block_id] = parent

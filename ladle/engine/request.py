@@ -12,6 +12,7 @@ from ladle.engine.sampling_params import SamplingParams
 if TYPE_CHECKING:
     import torch
 
+    from ladle.engine.prefix_cache import Node
     from ladle.engine.stop import OutputTextTracker
     from ladle.lora.adapter import AdapterRef
     from ladle.reasoning.budget import ReasoningTracker
@@ -62,6 +63,7 @@ class Sequence:
     # blocks handed over by another engine (KVHandoff), referenced until the sequence is matched
     pinned_blocks: list[int] = field(default_factory=list)
     num_cached_blocks: int = 0  # leading blocks of block_table entered in the prefix cache
+    cached_tail: "Node | None" = None  # the prefix cache's node of block num_cached_blocks - 1
     # (source block, destination block, tokens): K/V the runner copies before this
     # sequence's first forward, when its prompt shares only part of a cached block.
     pending_copy: tuple[int, int, int] | None = None

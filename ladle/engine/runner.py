@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ladle.engine.prefix_cache import HOLLOW
 from ladle.engine.request import Sequence
 from ladle.engine.scheduler import ScheduledSeq
 from ladle.lora.adapter import AdapterRef, AdapterWeights
@@ -174,7 +175,7 @@ class ModelRunner:
         logits = self.graphs.replay(
             tokens=[seq.token_ids[p] for seq, p in zip(seqs, positions)], positions=positions,
             slots=[seq.block_table[p // bs] * bs + p % bs for seq, p in zip(seqs, positions)],
-            block_tables=[seq.block_table for seq in seqs], context_lens=[p + 1 for p in positions])
+            block_tables=[attended_table(seq) for seq in seqs], context_lens=[p + 1 for p in positions])
         return StepLogits(seqs, logits, [], [])
 
     def _kept_states(self, batch: list[ScheduledSeq]) -> tuple[KeptStates | None, list[tuple[Sequence, int, int]]]:
@@ -222,7 +223,7 @@ class ModelRunner:
         for item in batch[len(decodes) :]:
             seq = item.seq
             ctx = seq.num_computed_tokens + item.num_new_tokens
-            table = torch.tensor(seq.block_table[: -(-ctx // self.block_size)], dtype=torch.int64)
+            table = torch.tensor(attended_table(seq)[: -(-ctx // self.block_size)], dtype=torch.int64)
             meta.prefills.append(PrefillSpan(row, row + item.num_new_tokens, ctx, table, canonical=seq.canonical))
             row += item.num_new_tokens
         canonical = [span for span in meta.prefills if span.canonical]
@@ -233,7 +234,7 @@ class ModelRunner:
 
     def _set_decodes(self, meta: AttentionMetadata, seqs: list[Sequence], ctx: torch.Tensor) -> None:
         """The batch's first rows are one token each of `seqs`, attending to ctx[i] tokens."""
-        tables = padded_block_tables([s.block_table for s in seqs])
+        tables = padded_block_tables([attended_table(s) for s in seqs])
         meta.num_decodes = len(seqs)
         meta.decode_block_tables = tables
         meta.decode_context_lens = ctx
@@ -274,3 +275,10 @@ class ModelRunner:
             row += n
         logits = self.model.compute_logits(hidden[sample_rows], batch_invariant) if sample_rows else hidden.new_empty(0, 0)
         return StepLogits(sample_seqs, logits, prompt_rows, draft_rows)
+
+
+def attended_table(seq: Sequence) -> list[int]:
+    """seq's block table as attention reads it: a block let go behind a sliding window (HOLLOW) reads
+    as block 0, whose keys the window masks (the native kernels never read them at all)."""
+    table = seq.block_table
+    return [max(b, 0) for b in table] if table and table[0] == HOLLOW else table

@@ -82,6 +82,7 @@ class Scheduler:
             del seq.draft_token_ids[max(0, n - 1) :]  # the drafts that fit this step's budget
             if n == 0:
                 continue
+            self.kv.release_out_of_window(seq)
             while not self.kv.allocate_slots(seq, n):
                 victim = max(self.running, key=self._urgency)
                 self._preempt(victim, plan)

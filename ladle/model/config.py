@@ -121,6 +121,14 @@ class ModelConfig:
     gemma: GemmaConfig | None = None  # Gemma 3's departures from Llama
 
     @property
+    def kv_window(self) -> int | None:
+        """How far back any layer reads the K/V cache when every layer has a sliding window (the
+        largest window); None when some layer sees the whole context."""
+        if not self.layer_windows or None in self.layer_windows:
+            return None
+        return max(self.layer_windows)
+
+    @property
     def attention_scale(self) -> float:
         """What q . k is multiplied by before the softmax."""
         return (self.gemma.query_pre_attn_scalar if self.gemma else self.head_dim) ** -0.5
