@@ -28,6 +28,7 @@ SLIDING = {
                               "layer_types": ["sliding_attention", "full_attention"] * 2}),
     "gemma3": ("gemma3", {}),  # tiny_models' Gemma 3 has a window of 8 on alternate layers
     "gpt-oss": ("gpt_oss", {}),  # and its gpt-oss, with sinks, MoE and YaRN
+    "gemma4": ("gemma4", {}),  # and its Gemma 4: weight-scaled norms, normed values, layer scalars, soft-capping
 }
 MAX_TOKENS = 12
 

@@ -12,7 +12,7 @@ SMOLLM2_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_temp
 
 def build_tiny_model(kind: str, out: Path, tokenizer_from: Path, seed: int = 0, **config_overrides) -> Path:
     """Save a small random model of `kind` ("llama", "llama3-rope", "qwen2", "qwen3", "mistral", "gemma3",
-    "gemma3-vision", "qwen2_moe", "qwen3_moe", "mixtral" or "gpt_oss")
+    "gemma3-vision", "gemma4", "qwen2_moe", "qwen3_moe", "mixtral" or "gpt_oss")
     with a real tokenizer; `config_overrides` go to the transformers config.
 
     Weights are drawn with a wide init so next-token logits are peaked: greedy
@@ -77,6 +77,8 @@ def build_tiny_model(kind: str, out: Path, tokenizer_from: Path, seed: int = 0, 
             for name, param in model.named_parameters():
                 if name.endswith("norm.weight"):
                     param.uniform_(-0.6, 0.6)
+    elif kind == "gemma4":
+        model = _tiny_gemma4(common, config_overrides)
     elif kind == "gpt_oss":
         # windowed and global layers alternating, 4 experts (top 2) with biases and the clamped SwiGLU,
         # YaRN over a trained context of 64 positions, and a sink per head
@@ -122,6 +124,25 @@ def build_tiny_model(kind: str, out: Path, tokenizer_from: Path, seed: int = 0, 
         if (tokenizer_from / name).exists():
             shutil.copy(tokenizer_from / name, out / name)
     return out
+
+
+def _tiny_gemma4(common: dict, overrides: dict):
+    """A Gemma 4 text model: windowed and global layers alternating (the global ones with proportional RoPE),
+    logits soft-capped, norm weights spread around 1 (Gemma 4 multiplies by the weight, not 1 + weight) and
+    each layer's output scalar drawn, so that each departure from Gemma 3 shows."""
+    from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+
+    defaults = {"head_dim": 32, "global_head_dim": 32, "sliding_window": 8, "final_logit_softcapping": 30.0,
+                "hidden_size_per_layer_input": 0, "num_hidden_layers": 4,
+                "layer_types": ["sliding_attention", "full_attention"] * (overrides.get("num_hidden_layers", 4) // 2)}
+    model = Gemma4ForCausalLM(Gemma4TextConfig(**{**common, **defaults, **overrides}))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.uniform_(0.4, 1.6)
+        for layer in model.model.layers:
+            layer.layer_scalar.uniform_(0.5, 1.5)
+    return model
 
 
 def _spread_router(model) -> None:

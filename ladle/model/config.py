@@ -8,7 +8,10 @@ from pathlib import Path
 from typing import Any
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "qwen2_moe", "qwen3_moe", "mixtral", "gemma3_text",
-                           "gpt_oss")
+                           "gemma4_text", "gpt_oss")
+GEMMA_ARCHITECTURES = ("gemma3_text", "gemma4_text")
+# Gemma 4's parts ladle does not compute yet: refused by name at load, never served without them
+GEMMA4_UNSUPPORTED = ("hidden_size_per_layer_input", "num_kv_shared_layers", "enable_moe_block", "attention_k_eq_v")
 MOE_ARCHITECTURES = ("qwen2_moe", "qwen3_moe", "mixtral", "gpt_oss")
 
 
@@ -51,14 +54,28 @@ class MoEConfig:
 class GemmaConfig:
     """Gemma 3: embeddings scaled by sqrt(hidden), norms that multiply by (1 + weight), a norm on each
     sublayer's output too ("sandwich"), GELU (tanh) gating, q . k scaled by query_pre_attn_scalar^-0.5,
-    and the sliding layers' own RoPE base."""
+    and the sliding layers' own RoPE base.
+
+    Gemma 4 (version 4) departs from it: its norms multiply by the weight itself, the values are normed
+    (without a scale) as the keys are, q . k is not scaled (query_pre_attn_scalar 1), each layer's output
+    is multiplied by its layer_scalar, the logits may be soft-capped, and the global layers' RoPE is
+    "proportional" (rope_scaling)."""
 
     query_pre_attn_scalar: float
     local_rope_theta: float
     local_rope_scaling: dict[str, Any] | None = None
+    version: int = 3
+    final_logit_softcapping: float | None = None  # logits become tanh(logits / cap) * cap
+
+    @property
+    def norm_offset(self) -> float:
+        """What the norms add to their weight before multiplying: 1 for Gemma 3, 0 for Gemma 4."""
+        return 1.0 if self.version == 3 else 0.0
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any], name: str) -> "GemmaConfig":
+        if d.get("model_type") == "gemma4_text":
+            return cls._gemma4(d, name)
         for capped in ("attn_logit_softcapping", "final_logit_softcapping"):
             if d.get(capped) is not None:
                 raise ValueError(f"model {name!r} sets {capped}={d[capped]} (Gemma 2's soft-capping): ladle does "
@@ -73,6 +90,28 @@ class GemmaConfig:
             local = {"rope_type": "default", "rope_theta": d.get("rope_local_base_freq", 10000.0)}
         return cls(float(d.get("query_pre_attn_scalar", 256)), float(local["rope_theta"]), _rope_scaling(local))
 
+    @classmethod
+    def _gemma4(cls, d: dict[str, Any], name: str) -> "GemmaConfig":
+        """d: a Gemma 4 text config completed by gemma4_text_config."""
+        for unsupported in GEMMA4_UNSUPPORTED:
+            if d.get(unsupported):
+                raise ValueError(f"model {name!r} sets {unsupported}={d[unsupported]}: Gemma 4's {unsupported} "
+                                 "is not supported yet")
+        if d.get("use_bidirectional_attention"):
+            raise ValueError(f"model {name!r} sets use_bidirectional_attention: ladle attends causally only")
+        if d.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
+            raise ValueError(f"model {name!r}: hidden_activation {d['hidden_activation']!r} is not Gemma 4's "
+                             "gelu_pytorch_tanh")
+        shapes = set(gemma4_layer_shapes(d))
+        if len(shapes) > 1:
+            raise ValueError(f"model {name!r}: its layers' (num_key_value_heads, head_dim) differ, {sorted(shapes)} "
+                             "(Gemma 4's global_head_dim and num_global_key_value_heads): per-layer head shapes "
+                             "are not supported yet")
+        local = d["rope_parameters"]["sliding_attention"]
+        cap = d.get("final_logit_softcapping")
+        return cls(1.0, float(local["rope_theta"]), _rope_scaling(local), version=4,
+                   final_logit_softcapping=None if cap is None else float(cap))
+
 
 def gemma3_text_config(d: dict[str, Any]) -> dict[str, Any]:
     """The language model's config of a Gemma 3 image-and-text checkpoint, its defaults filled in as
@@ -81,6 +120,24 @@ def gemma3_text_config(d: dict[str, Any]) -> dict[str, Any]:
 
     text = Gemma3TextConfig(**{k: v for k, v in d.get("text_config", {}).items() if k != "model_type"}).to_dict()
     return {**text, "model_type": "gemma3_text"}
+
+
+def gemma4_text_config(d: dict[str, Any]) -> dict[str, Any]:
+    """A Gemma 4 language model's config (a gemma4_text config, or a gemma4 image-and-text config's
+    text_config), its defaults filled in as transformers' Gemma4TextConfig fills them: the layers'
+    kinds, the RoPE of each kind, and each layer's attention shape (per_layer_config, which the Hub's
+    configs give as global_head_dim and num_global_key_value_heads)."""
+    from transformers import Gemma4TextConfig
+
+    text = d.get("text_config", {}) if d.get("model_type") == "gemma4" else d
+    resolved = Gemma4TextConfig(**{k: v for k, v in text.items() if k != "model_type"})
+    shapes = [(layer.num_key_value_heads, layer.head_dim) for layer in resolved.per_layer_config]
+    return {**resolved.to_dict(), "model_type": "gemma4_text", "layer_attention_shapes": shapes}
+
+
+def gemma4_layer_shapes(d: dict[str, Any]) -> list[tuple[int, int]]:
+    """Each layer's (num_key_value_heads, head_dim) in a config from gemma4_text_config."""
+    return [tuple(shape) for shape in d["layer_attention_shapes"]]
 
 
 def rope_type(scaling: dict[str, Any] | None) -> str:
@@ -138,6 +195,8 @@ class ModelConfig:
         """`name` (the model's folder, say) only labels errors."""
         if d.get("model_type") == "gemma3":  # Gemma 3's image-and-text checkpoints: their language model
             d = gemma3_text_config(d)
+        elif d.get("model_type") in ("gemma4", "gemma4_text"):  # and Gemma 4's, or its text-only model
+            d = gemma4_text_config(d)
         model_type = d.get("model_type", "llama")
         if model_type not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
@@ -159,7 +218,7 @@ class ModelConfig:
             original = original or max_positions
             scaling = {**scaling, "original_max_position_embeddings": original,
                        "factor": scaling.get("factor") or max_positions / original}
-        gemma = GemmaConfig.from_hf_dict(d, name or model_type) if model_type == "gemma3_text" else None
+        gemma = GemmaConfig.from_hf_dict(d, name or model_type) if model_type in GEMMA_ARCHITECTURES else None
         return cls(
             model_type=model_type,
             vocab_size=d["vocab_size"],
@@ -175,8 +234,9 @@ class ModelConfig:
             max_position_embeddings=max_positions,
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=bool(d.get("attention_bias", d.get("qkv_bias", model_type in ("qwen2", "qwen2_moe")))),
-            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
-            o_proj_bias=model_type == "gpt_oss" and bool(d.get("attention_bias", True)),
+            qk_norm=model_type in ("qwen3", "qwen3_moe", *GEMMA_ARCHITECTURES),
+            o_proj_bias=(model_type == "gpt_oss" and bool(d.get("attention_bias", True)))
+            or (model_type == "gemma4_text" and bool(d.get("attention_bias"))),
             attention_sinks=model_type == "gpt_oss",
             eos_token_ids=eos_ids,
             bos_token_id=d.get("bos_token_id"),

@@ -181,6 +181,15 @@ def _yarn_inv_freq(head_dim: int, theta: float, s: dict[str, Any]) -> torch.Tens
     return 1.0 / (factor * wavelengths) * (1 - kept) + 1.0 / wavelengths * kept
 
 
+def _proportional_inv_freq(inv_freq: torch.Tensor, head_dim: int, s: dict[str, Any]) -> torch.Tensor:
+    """Gemma 4's global layers: only the first partial_rotary_factor of each head's frequency pairs turn
+    (at their usual frequencies over the whole head_dim), the rest have frequency 0 (cos 1, sin 0: left as
+    they are); all divided by the factor."""
+    turning = int(s.get("partial_rotary_factor", 1.0) * head_dim // 2)
+    inv_freq = torch.cat((inv_freq[:turning], torch.zeros(head_dim // 2 - turning)))
+    return inv_freq / s.get("factor", 1.0)
+
+
 def rope_attention_factor(scaling: dict[str, Any] | None) -> float:
     """What cos and sin are multiplied by: YaRN's attention factor (its mscale), 1 for other RoPEs."""
     if rope_type(scaling) != "yarn":
@@ -209,6 +218,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
         inv_freq = _llama3_inv_freq(inv_freq, scaling)
     elif kind == "yarn":
         inv_freq = _yarn_inv_freq(head_dim, theta, scaling)
+    elif kind == "proportional":
+        inv_freq = _proportional_inv_freq(inv_freq, head_dim, scaling)
     else:
         raise ValueError(f"rope_scaling type {kind!r} is not supported yet")
     return inv_freq

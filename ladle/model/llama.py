@@ -1,4 +1,4 @@
-"""The Llama family forward (Llama, SmolLM2, Qwen2/2.5, Qwen3, Mistral, Gemma 3, and the MoE ones:
+"""The Llama family forward (Llama, SmolLM2, Qwen2/2.5, Qwen3, Mistral, Gemma 3 and 4, and the MoE ones:
 Qwen2-MoE, Qwen3-MoE, Mixtral) over a flat, packed token batch.
 
 Tokens of all sequences in a step are concatenated into one [T, hidden] matrix, so the
@@ -47,6 +47,8 @@ class DecoderLayerWeights:
     attn_out_norm: torch.Tensor | None = None  # Gemma: norms on the attention's and the MLP's outputs
     mlp_out_norm: torch.Tensor | None = None
     sinks: torch.Tensor | None = None  # gpt-oss: float32 [heads], a logit per head in the softmax's denominator
+    v_norm: torch.Tensor | None = None  # Gemma 4: the values normed per head, without a scale (ones)
+    layer_scalar: torch.Tensor | None = None  # Gemma 4: multiplies the residual stream after the layer
 
     @property
     def linears(self) -> tuple[Linear, ...]:
@@ -78,6 +80,7 @@ def _layer_weights(w: dict[str, torch.Tensor | GroupedWeight], i: int, cfg: Mode
         return _norm_weight(w.pop(name), cfg)
 
     gemma = cfg.gemma is not None  # its post_attention_layernorm norms the attention's output
+    gemma4 = gemma and cfg.gemma.version == 4
     return DecoderLayerWeights(
         input_norm=norm(p + "input_layernorm.weight"),
         qkv=linear(cat([shard.rows(w.pop(attn + f"{n}_proj.weight"), spans[n]) for n in "qkv"]), bias),
@@ -89,13 +92,16 @@ def _layer_weights(w: dict[str, torch.Tensor | GroupedWeight], i: int, cfg: Mode
         attn_out_norm=norm(p + "post_attention_layernorm.weight") if gemma else None,
         mlp_out_norm=norm(p + "post_feedforward_layernorm.weight") if gemma else None,
         sinks=w.pop(attn + "sinks").float().contiguous() if cfg.attention_sinks else None,
+        v_norm=torch.ones(d, device=o_proj.device) if gemma4 else None,
+        layer_scalar=w.pop(p + "layer_scalar").to(o_proj.dtype) if gemma4 else None,
     )
 
 
 def _norm_weight(weight: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
-    """An RMSNorm's scale as ladle multiplies by it: Gemma's norms multiply by (1 + weight), kept in
-    float32, where transformers multiplies before rounding to the compute dtype (layers.rms_norm)."""
-    return 1.0 + weight.float() if cfg.gemma is not None else weight
+    """An RMSNorm's scale as ladle multiplies by it: Gemma's norms multiply by (1 + weight) (Gemma 3) or
+    by weight (Gemma 4), kept in float32, where transformers multiplies before rounding to the compute
+    dtype (layers.rms_norm)."""
+    return cfg.gemma.norm_offset + weight.float() if cfg.gemma is not None else weight
 
 
 @dataclass
@@ -211,13 +217,23 @@ class LlamaForCausalLM:
             attended = self._attention(i, layer, x, layer_rope, meta, lora)
             x = ops.add_rms_norm(h, self._normed(attended, layer.attn_out_norm), layer.post_attn_norm, eps)
             following = layers[i + 1].input_norm if i + 1 < last else self.norm
-            x = ops.add_rms_norm(h, self._normed(self._mlp(i, layer, x, inv, lora), layer.mlp_out_norm), following, eps)
+            x = self._add_mlp_output(h, self._normed(self._mlp(i, layer, x, inv, lora), layer.mlp_out_norm), layer,
+                                     following)
             if keep is not None and i + 1 < last:
                 keep.keep(i + 1, h)
         out = x
         if keep is not None:
             keep.keep(last, out)
         return out
+
+    def _add_mlp_output(self, h: torch.Tensor, out: torch.Tensor, layer: DecoderLayerWeights,
+                        following: torch.Tensor) -> torch.Tensor:
+        """h += out (in place), times the layer's scalar where it has one (Gemma 4); the next norm of h."""
+        eps = self.cfg.rms_norm_eps
+        if layer.layer_scalar is None:
+            return self.ops.add_rms_norm(h, out, following, eps)
+        h.add_(out).mul_(layer.layer_scalar)
+        return self.ops.rms_norm(h, following, eps)
 
     def _normed(self, out: torch.Tensor, norm: torch.Tensor | None) -> torch.Tensor:
         """A sublayer's output, normed where the model norms it before the residual add (Gemma)."""
@@ -253,6 +269,8 @@ class LlamaForCausalLM:
             k = ops.rms_norm(qkv[:, self.q_size : self.q_size + self.kv_size].view(t, kv_heads, cfg.head_dim),
                              layer.k_norm, cfg.rms_norm_eps)
             q, k = ops.rotary(q, *rope), ops.rotary(k, *rope)
+        if layer.v_norm is not None:
+            v = ops.rms_norm(v, layer.v_norm, cfg.rms_norm_eps)
         self.attention.write_kv(i, k, v, meta)
         o = self.attention.attend(i, q, k, v, meta, layer.sinks)
         out = layer.o_proj(o, meta.batch_invariant)
@@ -264,6 +282,7 @@ class LlamaForCausalLM:
     def compute_logits(self, hidden: torch.Tensor, batch_invariant: bool = False) -> torch.Tensor:
         """float32 logits, whatever the compute dtype (each rank's rows of the vocabulary, gathered)."""
         logits = self.lm_head(hidden, batch_invariant).float()
-        if self.shard.whole:
-            return logits
-        return self.comm.all_gather_rows(logits.t().contiguous(), self.vocab_counts).t().contiguous()
+        if not self.shard.whole:
+            logits = self.comm.all_gather_rows(logits.t().contiguous(), self.vocab_counts).t().contiguous()
+        cap = self.cfg.gemma.final_logit_softcapping if self.cfg.gemma is not None else None
+        return logits if cap is None else torch.tanh(logits / cap) * cap
