@@ -221,7 +221,8 @@ def add_engine_arguments(parser) -> None:
     g = parser.add_argument_group("reasoning models and long sessions")
     g.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
                    help="split <think>...</think> out of chat replies into reasoning_content (Qwen3, DeepSeek-R1; "
-                        "the three names are one parser); enables thinking budgets")
+                        "deepseek_r1, qwen3 and think are one parser), or gpt-oss's analysis channel (gpt_oss, "
+                        "or vLLM's openai_gptoss); enables thinking budgets")
     g.add_argument("--thinking-token-budget", type=int, default=None, metavar="N",
                    help="default thinking budget of requests that set none (thinking_token_budget or "
                         "reasoning_effort): past N reasoning tokens the engine closes the think block itself")

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from ladle.reasoning.parser import (
-    REASONING_PARSERS, ReasoningStream, ThinkTags, prompt_opens_reasoning, split_reasoning, tags_for,
+    THINK_PARSERS, ReasoningStream, ThinkTags, prompt_opens_reasoning, split_reasoning, tags_for,
 )
 
 CASES = [  # (reply, whether the prompt opened the block, (reasoning_content, content))
@@ -153,6 +153,6 @@ def test_custom_tags() -> None:
 
 
 def test_parser_names() -> None:
-    assert {tags_for(name) for name in REASONING_PARSERS} == {ThinkTags()}
+    assert {tags_for(name) for name in THINK_PARSERS} == {ThinkTags()}  # gpt-oss's: test_harmony_parser.py
     with pytest.raises(ValueError, match="deepseek_r1, qwen3, think"):
         tags_for("granite")

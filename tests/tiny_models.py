@@ -1,13 +1,83 @@
 """Tiny random Llama, Qwen2, Qwen3, Mistral, Gemma 3 and mixture-of-experts (Qwen2-MoE, Qwen3-MoE,
-Mixtral) checkpoints, built and saved by transformers for the tests."""
+Mixtral, gpt-oss) checkpoints, built and saved by transformers for the tests. They speak SmolLM2's
+tokenizer; gpt-oss's has harmony's special tokens added and a harmony chat template (written here)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
 
 SMOLLM2_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+SMOLLM2_VOCAB = 49152
+HARMONY_TOKENS = ("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>")
+HARMONY_VOCAB = SMOLLM2_VOCAB + len(HARMONY_TOKENS)  # the added tokens take the next ids, in this order
+# gpt-oss's chat template in shape: the system message with the reasoning effort, a developer message
+# with the instructions and the tools as a TypeScript namespace, the turns (a call as a message to
+# functions.NAME, its result as that function's message), and the assistant's open header
+HARMONY_TEMPLATE = """
+{%- macro ts_type(s) -%}
+  {%- if s.enum -%}{{ s.enum | map("tojson") | join(" | ") }}
+  {%- elif s.type == "string" -%}string
+  {%- elif s.type in ("integer", "number") -%}number
+  {%- elif s.type == "boolean" -%}boolean
+  {%- elif s.type == "array" -%}{{ ts_type(s["items"] or {}) }}[]
+  {%- else -%}any
+  {%- endif -%}
+{%- endmacro -%}
+{{- "<|start|>system<|message|>You are ChatGPT, a large language model trained by OpenAI.\n" -}}
+{{- "Knowledge cutoff: 2024-06\n\nReasoning: " + (reasoning_effort or "medium") + "\n\n" -}}
+{{- "# Valid channels: analysis, commentary, final. Channel must be included for every message." -}}
+{%- if tools -%}{{- "\nCalls to these tools must go to the commentary channel: 'functions'." -}}{%- endif -%}
+{{- "<|end|>" -}}
+{%- set instructions = messages[0].content if messages[0].role in ("system", "developer") else "" -%}
+{%- if instructions or tools -%}
+  {{- "<|start|>developer<|message|>" -}}
+  {%- if instructions -%}{{- "# Instructions\n\n" + instructions + "\n\n" -}}{%- endif -%}
+  {%- if tools -%}
+    {{- "# Tools\n\n## functions\n\nnamespace functions {\n\n" -}}
+    {%- for tool in tools -%}
+      {%- set f = tool.function -%}
+      {%- set schema = f.parameters or {} -%}
+      {%- if f.description -%}{{- "// " + f.description + "\n" -}}{%- endif -%}
+      {%- if schema.properties -%}
+        {{- "type " + f.name + " = (_: {\n" -}}
+        {%- for name, spec in schema.properties.items() -%}
+          {%- if spec.description -%}{{- "// " + spec.description + "\n" -}}{%- endif -%}
+          {{- name + ("" if name in (schema.required or []) else "?") + ": " + ts_type(spec) + ",\n" -}}
+        {%- endfor -%}
+        {{- "}) => any;\n\n" -}}
+      {%- else -%}
+        {{- "type " + f.name + " = () => any;\n\n" -}}
+      {%- endif -%}
+    {%- endfor -%}
+    {{- "} // namespace functions" -}}
+  {%- endif -%}
+  {{- "<|end|>" -}}
+{%- endif -%}
+{%- set last_call = namespace(name="") -%}
+{%- for m in messages if m.role not in ("system", "developer") -%}
+  {%- if m.role == "user" -%}
+    {{- "<|start|>user<|message|>" + m.content + "<|end|>" -}}
+  {%- elif m.role == "tool" -%}
+    {{- "<|start|>functions." + last_call.name + " to=assistant<|channel|>commentary<|message|>" -}}
+    {{- m.content + "<|end|>" -}}
+  {%- elif m.tool_calls -%}
+    {%- if m.thinking -%}
+      {{- "<|start|>assistant<|channel|>analysis<|message|>" + m.thinking + "<|end|>" -}}
+    {%- endif -%}
+    {%- for call in m.tool_calls -%}
+      {%- set last_call.name = call.function.name -%}
+      {{- "<|start|>assistant to=functions." + call.function.name + "<|channel|>commentary json<|message|>" -}}
+      {{- call.function.arguments | tojson + "<|call|>" -}}
+    {%- endfor -%}
+  {%- else -%}
+    {{- "<|start|>assistant<|channel|>final<|message|>" + m.content + "<|end|>" -}}
+  {%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}{{- "<|start|>assistant" -}}{%- endif -%}
+"""
 
 
 def build_tiny_model(kind: str, out: Path, tokenizer_from: Path, seed: int = 0, **config_overrides) -> Path:
@@ -84,8 +154,11 @@ def build_tiny_model(kind: str, out: Path, tokenizer_from: Path, seed: int = 0, 
         # YaRN over a trained context of 64 positions, and a sink per head
         yarn = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                 "original_max_position_embeddings": 64, "rope_theta": 150000.0}
+        # its vocabulary holds harmony's tokens, and its replies stop at <|return|> or <|call|>
         cfg = GptOssConfig(**{"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 8,
                               "rope_parameters": yarn, **common,
+                              "vocab_size": config_overrides.get("vocab_size", HARMONY_VOCAB),
+                              "eos_token_id": [harmony_id("<|return|>"), harmony_id("<|call|>")],
                               "intermediate_size": config_overrides.get("intermediate_size", 32),
                               "num_hidden_layers": config_overrides.get("num_hidden_layers", 4)})
         model = GptOssForCausalLM(cfg)
@@ -120,6 +193,9 @@ def build_tiny_model(kind: str, out: Path, tokenizer_from: Path, seed: int = 0, 
     if kind.endswith("moe") or kind in ("mixtral", "gpt_oss"):
         _spread_router(model)
     model.save_pretrained(out)
+    if kind == "gpt_oss":
+        _save_harmony_tokenizer(tokenizer_from, out)
+        return out
     for name in SMOLLM2_TOKENIZER_FILES:
         if (tokenizer_from / name).exists():
             shutil.copy(tokenizer_from / name, out / name)
@@ -143,6 +219,25 @@ def _tiny_gemma4(common: dict, overrides: dict):
         for layer in model.model.layers:
             layer.layer_scalar.uniform_(0.5, 1.5)
     return model
+
+
+def harmony_id(token: str) -> int:
+    """The id of one of harmony's tokens in the tiny gpt-oss's tokenizer."""
+    return SMOLLM2_VOCAB + HARMONY_TOKENS.index(token)
+
+
+def _save_harmony_tokenizer(tokenizer_from: Path, out: Path) -> None:
+    """SmolLM2's tokenizer with harmony's special tokens added, and the harmony chat template."""
+    from tokenizers import AddedToken, Tokenizer
+
+    tok = Tokenizer.from_file(str(tokenizer_from / "tokenizer.json"))
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in HARMONY_TOKENS])
+    assert tok.get_vocab_size(with_added_tokens=True) == HARMONY_VOCAB
+    tok.save(str(out / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|return|>", "pad_token": "<|endoftext|>",
+              "unk_token": "<|endoftext|>", "model_max_length": 2048}
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
+    (out / "chat_template.jinja").write_text(HARMONY_TEMPLATE.strip() + "\n")
 
 
 def _spread_router(model) -> None:

@@ -5,7 +5,10 @@ Reasoning tokens are the output tokens inside the think block, between its tags:
 start tag the model may write nor the end tag count. Detection reads the output text, so it
 holds whatever tokens the model used to spell a tag. When the budget runs out the engine emits
 the end tag and a blank line (the tokenizer's spelling of them) in place of what the model
-would have sampled, then lets the model answer: the answer always comes.
+would have sampled, then lets the model answer: the answer always comes. gpt-oss's tags
+(--reasoning-parser gpt_oss) are those of an analysis message, and its close is the end of that
+message and the header of the final one; they are special tokens, seen only in output decoded
+with them (skip_special_tokens false, as the server decodes harmony chat replies).
 """
 
 from __future__ import annotations
@@ -37,7 +40,8 @@ class ReasoningSpec:
 
     @classmethod
     def of(cls, tokenizer, tags: ThinkTags) -> "ReasoningSpec":
-        return cls(tags, tuple(tokenizer.encode(tags.end + CLOSING_TEXT, add_special_tokens=False)))
+        close = tags.end + CLOSING_TEXT if tags.close is None else tags.close
+        return cls(tags, tuple(tokenizer.encode(close, add_special_tokens=False)))
 
     def tracker(self, prompt_tail_text: str, budget: int | None) -> "ReasoningTracker":
         opened = prompt_opens_reasoning(prompt_tail_text, self.tags)

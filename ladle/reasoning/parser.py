@@ -1,7 +1,9 @@
 """Think blocks out of a reasoning model's reply: reasoning_content apart from content.
 
 One parser serves the `<think>...</think>` family (DeepSeek-R1, Qwen3); vLLM's names for it
-(--reasoning-parser) are all accepted. The rules, the same for a whole reply and for a stream of
+(--reasoning-parser) are all accepted. gpt-oss's harmony replies (`gpt_oss`, or vLLM's
+`openai_gptoss`) are read by ladle.tools.harmony instead; their tags here serve the engine's
+thinking budget (ladle.reasoning.budget). The rules, the same for a whole reply and for a stream of
 text deltas cut anywhere:
 - the block is open from the start when the prompt left it open (the chat template wrote the
   start tag); else it opens only if the reply begins, after whitespace, with the start tag;
@@ -17,23 +19,35 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-REASONING_PARSERS = ("deepseek_r1", "qwen3", "think")
+from ladle.reasoning import harmony
+
+THINK_PARSERS = ("deepseek_r1", "qwen3", "think")
+HARMONY_PARSERS = ("gpt_oss", "openai_gptoss")
+REASONING_PARSERS = THINK_PARSERS + HARMONY_PARSERS
 
 
 @dataclass(frozen=True)
 class ThinkTags:
     start: str = "<think>"
     end: str = "</think>"
+    close: str | None = None  # what budget forcing writes to end the block; None: the end tag and a blank line
 
 
 DEFAULT_TAGS = ThinkTags()
+# an analysis message that opens the reply; forced closed, it gives way to the final answer
+HARMONY_TAGS = ThinkTags(harmony.ANALYSIS_HEADER, harmony.END, close=harmony.END + harmony.FINAL_HEADER)
 
 
 def tags_for(parser_name: str) -> ThinkTags:
     """The tags of a --reasoning-parser name."""
     if parser_name not in REASONING_PARSERS:
         raise ValueError(f"unknown reasoning parser {parser_name!r}; choose one of {', '.join(REASONING_PARSERS)}")
-    return DEFAULT_TAGS
+    return HARMONY_TAGS if is_harmony(parser_name) else DEFAULT_TAGS
+
+
+def is_harmony(parser_name: str | None) -> bool:
+    """Whether a --reasoning-parser name reads gpt-oss's harmony format."""
+    return parser_name in HARMONY_PARSERS
 
 
 def prompt_opens_reasoning(prompt_text: str, tags: ThinkTags = DEFAULT_TAGS) -> bool:

@@ -75,6 +75,7 @@ def _message_dict(i: int, m: ChatMessage) -> dict[str, Any]:
     reasoning = m.reasoning_content if m.reasoning_content is not None else m.reasoning
     if reasoning is not None:
         msg["reasoning_content"] = reasoning  # the name templates read (Qwen3's, DeepSeek's)
+        msg["thinking"] = reasoning  # and gpt-oss's (its analysis message)
     for name in REPLY_ONLY:
         if getattr(m, name):
             raise InvalidRequestError(f"messages[{i}].{name} is not supported: send it as null, or leave it out",

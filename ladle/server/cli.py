@@ -59,7 +59,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help='serve tool_choice "auto" (the default when a request has tools): parse calls out of replies')
     t.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
                    help="hermes: <tool_call>{...}</tool_call> blocks (Hermes, Qwen2.5/3, and ladle's prompt for "
-                        "templates without tools); llama3_json: a reply of JSON calls (Llama 3.1+)")
+                        "templates without tools); llama3_json: a reply of JSON calls (Llama 3.1+); openai (or "
+                        "gpt_oss, harmony): gpt-oss's harmony messages to functions.NAME (with --reasoning-parser "
+                        "gpt_oss)")
     d = parser.add_argument_group("decisions")
     d.add_argument("--decision-calibration", action="append", default=[], metavar="NAME=PATH",
                    help="a calibration from `ladle calibrate fit`, for questions naming it (repeatable)")
@@ -120,8 +122,11 @@ def serving_config(args: argparse.Namespace) -> tuple[EngineConfig, str, dict]:
 
 def auto_tool_call_parser(args: argparse.Namespace) -> str | None:
     """The parser for tool_choice "auto", or None when the server does not serve "auto"."""
+    from ladle.server.harmony import check_parsers
+
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+    check_parsers(args.reasoning_parser, args.tool_call_parser)
     return args.tool_call_parser if args.enable_auto_tool_choice else None
 
 

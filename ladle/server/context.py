@@ -14,8 +14,9 @@ from ladle.distributed.kv_transfer import KVTransferServer, TransferStats
 from ladle.engine.async_engine import AsyncEngine
 from ladle.model.hub import parse_hub_id
 from ladle.model.tokenizer import Tokenizer
-from ladle.reasoning.parser import ThinkTags, tags_for
+from ladle.reasoning.parser import ThinkTags, is_harmony, tags_for
 from ladle.server.errors import APIError
+from ladle.server.harmony import check_parsers
 from ladle.server.kv_transfer_metrics import KVTransferCollector
 from ladle.server.parallel_metrics import ParallelCollector
 from ladle.server.live import LiveRequests
@@ -59,6 +60,7 @@ class ServerContext:
     def __post_init__(self) -> None:
         if not 0 <= self.max_logprobs <= MAX_LOGPROBS:
             raise ValueError(f"max_logprobs must be in [0, {MAX_LOGPROBS}] (the engine returns at most {MAX_LOGPROBS})")
+        check_parsers(self.engine.engine.config.reasoning_parser, self.tool_call_parser)
         self.names = TokenNames(self.engine.tokenizer)
         self.metrics = Metrics(self.engine, self.model_name)
         if self.engine.engine.config.kv_transfer_config is not None:
@@ -74,6 +76,11 @@ class ServerContext:
         """The think-block tags of --reasoning-parser; None: replies are all content."""
         name = self.engine.engine.config.reasoning_parser
         return None if name is None else tags_for(name)
+
+    @property
+    def harmony(self) -> bool:
+        """Whether chat replies are gpt-oss's harmony messages (--reasoning-parser gpt_oss)."""
+        return is_harmony(self.engine.engine.config.reasoning_parser)
 
     def check_logprobs(self, requested: int | None, param: str) -> None:
         if requested is not None and requested > self.max_logprobs:

@@ -16,6 +16,7 @@ from ladle.engine.async_engine import RequestStream
 from ladle.engine.request import RequestTimings, TokenLogprob
 from ladle.engine.sampling_params import SamplingParams
 from ladle.errors import InvalidRequestError
+from ladle.server import harmony
 from ladle.server.chat_prompt import chat_prompt
 from ladle.reasoning.parser import prompt_opens_reasoning
 from ladle.server.chat_tools import ChoiceDeltas, Thinking, assistant_message
@@ -135,13 +136,25 @@ def prepare_chat(ctx: ServerContext, req: ChatCompletionRequest) -> ChatInputs:
     ctx.check_logprobs(req.top_logprobs, "top_logprobs")
     ctx.check_logprobs(req.prompt_logprobs, "prompt_logprobs")
     tools = tool_plan_of(req, ctx.tool_call_parser)
-    params = _sampling_params(ctx, req, tools)
+    params = _chat_params(ctx, req, tools)
+    template_kwargs = harmony.template_kwargs(req) if ctx.harmony else req.chat_template_kwargs
     prompt = chat_prompt(ctx.chat_tokenizer, req.messages, req.add_generation_prompt,
-                         req.continue_final_message, req.chat_template_kwargs, tools.tools if tools else None)
+                         req.continue_final_message, template_kwargs, tools.tools if tools else None)
     tags = ctx.reasoning_tags
-    thinking = None if tags is None else Thinking(tags, prompt_opens_reasoning(prompt, tags))
+    thinking = None if tags is None else Thinking(tags, prompt_opens_reasoning(prompt, tags), ctx.harmony)
     ids = ctx.engine.tokenizer.encode(prompt, keep_last=req.prompt_room(ctx.engine.max_model_len))
     return ChatInputs(ids, params, tools, model.lora, thinking)
+
+
+def _chat_params(ctx: ServerContext, req: ChatCompletionRequest, tools: ToolPlan | None) -> SamplingParams:
+    """A chat request's sampling parameters. A harmony model's effort is in its prompt, not a budget, and
+    its replies are decoded with their special tokens for the harmony parser, which keeps them from the client."""
+    if not ctx.harmony:
+        return _sampling_params(ctx, req, tools)
+    harmony.check_request(req, ctx.chat_tokenizer.chat_template)
+    params = _sampling_params(ctx, harmony.without_effort(req), tools)
+    params.skip_special_tokens = False
+    return params
 
 
 async def submit_chat(ctx: ServerContext, request: Request, request_id: str, req: ChatCompletionRequest,

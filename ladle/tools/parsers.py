@@ -3,8 +3,10 @@
 `hermes` reads <tool_call>{"name": ..., "arguments": {...}}</tool_call> blocks (Hermes, Qwen2.5,
 Qwen3 and the fallback prompt of ladle.tools.prompt); `llama3_json` reads a reply that is JSON
 calls, {"name": ..., "parameters": {...}} (separated by ";" when several), optionally after
-<|python_tag|> (Llama 3.1-3.3). Two more serve tool_choice under a grammar: `named` (the whole
-reply is the named function's arguments) and `required` (a JSON array of calls).
+<|python_tag|> (Llama 3.1-3.3); `openai` (vLLM's name; `gpt_oss` and `harmony` too) reads
+gpt-oss's harmony messages to functions.NAME (ladle.tools.harmony). Two more serve tool_choice
+under a grammar: `named` (the whole reply is the named function's arguments) and `required` (a
+JSON array of calls).
 
 Every parser answers `feed(text)` with events as soon as they are certain (content is held
 back only while it could be the start of a tag), and `finish()` with the rest; feeding the
@@ -19,7 +21,8 @@ from dataclasses import dataclass, field
 
 from ladle.tools.scanner import CallScanner, ScannedCall
 
-TOOL_CALL_PARSERS = ("hermes", "llama3_json")
+HARMONY_TOOL_PARSERS = ("openai", "gpt_oss", "harmony")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", *HARMONY_TOOL_PARSERS)
 
 
 def new_call_id() -> str:
@@ -35,14 +38,23 @@ class ToolCall:
 
 @dataclass
 class ParserEvents:
-    """What one feed released: content text, calls that began (index, id, name), argument text."""
+    """What one feed released: content text, calls that began (index, id, name), argument text, and
+    reasoning text (only the harmony parser reads reasoning: gpt-oss's analysis channel)."""
 
     content: str = ""
     started: list[tuple[int, str, str]] = field(default_factory=list)
     arguments: list[tuple[int, str]] = field(default_factory=list)
+    reasoning: str = ""
 
     def __bool__(self) -> bool:
-        return bool(self.content or self.started or self.arguments)
+        return bool(self.content or self.started or self.arguments or self.reasoning)
+
+    def extend(self, later: "ParserEvents") -> None:
+        """Add what a later feed (or finish) released."""
+        self.content += later.content
+        self.started += later.started
+        self.arguments += later.arguments
+        self.reasoning += later.reasoning
 
 
 class ToolParser:
@@ -197,6 +209,10 @@ def make_parser(name: str) -> ToolParser:
         return HermesParser()
     if name == "llama3_json":
         return Llama3JsonParser()
+    if name in HARMONY_TOOL_PARSERS:
+        from ladle.tools.harmony import HarmonyParser  # it builds on ToolParser, defined here
+
+        return HarmonyParser()
     raise ValueError(f"unknown tool call parser {name!r}; choose from {', '.join(TOOL_CALL_PARSERS)}")
 
 
