@@ -66,6 +66,9 @@ SCRIPTS = {
                                                    rf"serving: plain {NUMBER} questions/s"], timeout=600, marks=SLOW),
     "fleet": Script(["--png", "{tmp}/fleet.png"], [rf"cache_aware\s+{NUMBER}\s+{NUMBER}x",
                                                    rf"disaggregated\s+{NUMBER}"], timeout=600, marks=SLOW),
+    "long_context": Script([], [rf"\| sliding \| \d+ \| {NUMBER} \| \d+ \| \d+ \| True \|",
+                                rf"sliding / full: {NUMBER}x fewer blocks per sequence, {NUMBER}x the batch"],
+                           marks=SLOW),
     # needs a GPU and a Llama 3 tokenizer (benchmarks/gpu/fetch.sh; LADLE_GPU_TOKENIZER, as gpu_check.sh sets it)
     "gpu": Script(["--tokenizer", "{gpu_tokenizer}", "--out", "{tmp}", "--cases", "graphs"],
                   [rf"\| graphs, small model batch-1 \| eager {NUMBER} ms, graphs {NUMBER} ms"], timeout=600,
