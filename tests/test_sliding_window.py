@@ -152,13 +152,6 @@ def test_sliding_window_config_rules() -> None:
         assert ModelConfig.from_hf_dict({**base, **extra}).layer_windows == windows, extra
 
 
-def test_the_triton_kernels_refuse_a_window(sliding) -> None:
-    """The CUDA path's kernels have no window yet: refused at start, not served without one."""
-    folder, _ = sliding
-    with pytest.raises(ValueError, match="no sliding window yet"):
-        LLM(str(folder), dtype="float32", attention_backend="triton")
-
-
 def test_gemma3_config_rules() -> None:
     """Gemma 3 configs as transformers 5 writes them (rope_parameters by layer type) and as the Hub's
     checkpoints have them (rope_theta, rope_local_base_freq, linear scaling of the global layers only,

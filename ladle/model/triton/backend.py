@@ -6,7 +6,8 @@ tables and the launch plan of query blocks. Each layer then writes its new K/V i
 (`write_kv`) and attends: decode rows through the split-KV decode kernel, prefill rows (every
 other row, chunks of any length, canonical ones included) through the extend kernel, which
 reads every key from the pool in tiles anchored at key 0, so a row's result never depends on
-the batch or the chunking.
+the batch or the chunking. A sliding-window layer passes its window (the kernels read no block
+below it) and gpt-oss's layers their sinks.
 """
 
 from __future__ import annotations
@@ -47,10 +48,8 @@ class TritonStepData:
 class TritonPagedAttention:
     def __init__(self, cache: KVCache, num_heads: int, num_kv_heads: int, head_dim: int,
                  windows: tuple[int | None, ...] = (), scale: float | None = None):
-        if any(w is not None for w in windows):
-            raise ValueError("the Triton attention kernels have no sliding window yet: serve this model with "
-                             "--attention-backend torch")
         self.cache = cache
+        self.windows = windows
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = head_dim**-0.5 if scale is None else scale
         self.device = cache.k.device
@@ -108,18 +107,19 @@ class TritonPagedAttention:
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                meta: AttentionMetadata, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """q: [T, H, D]. Returns [T, H * D]."""
-        if sinks is not None:
-            raise ValueError("the Triton attention kernels have no attention sinks yet")
         d: TritonStepData = meta.backend_data
         c = self.cache
         scales = {"k_scale": c.k_scale[layer], "v_scale": c.v_scale[layer]} if c.quantized else {}
+        window = self.windows[layer] if layer < len(self.windows) else None
+        if sinks is not None:
+            sinks = sinks.float()
         out = torch.empty(q.shape[0], self.num_heads, self.head_dim, dtype=q.dtype, device=q.device)
         if d.num_decodes:
             b = d.num_decodes
             decode_attention(q[:b], c.k[layer], c.v[layer], out[:b], d.decode_tables, d.decode_lens, self.scale,
-                             d.num_splits, d.scratch, **scales)
+                             d.num_splits, d.scratch, **scales, window=window, sinks=sinks)
         if d.prefill is not None:
             p = d.prefill
             prefill_attention(q, c.k[layer], c.v[layer], out, p.block_tables, p.q_starts, p.q_lens, p.ctx_lens,
-                              p.plan, self.scale, **scales)
+                              p.plan, self.scale, **scales, window=window, sinks=sinks)
         return out.view(q.shape[0], self.num_heads * self.head_dim)

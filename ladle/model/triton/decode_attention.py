@@ -7,14 +7,18 @@ BLOCK_H >= 16 rows so tl.dot has M >= 16): K/V are read once per group, not once
 writes its piece's normalised float32 output and log-sum-exp to scratch; stage 2, grid (B, H),
 merges a row's pieces in split order.
 
-The split length is cdiv(cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N, a function of the row's
-own length and the launch's split count alone: another row's length never moves a row's split
+A row attends to its keys [first, seq_len): first is 0, or under a sliding window the row's last
+`window` keys; keys below first are never read. Splits divide that range. The split length is
+cdiv(cdiv(seq_len - first, num_splits), BLOCK_N) * BLOCK_N, a function of the row's own keys and
+the launch's split count alone: another row's length never moves a row's split
 or tile boundaries, so its result does not depend on its batch-mates (only on num_splits, which
 choose_num_splits takes from the batch shape, never from lengths). Splits past a row's end are
 empty: stage 1 returns at once and stage 2 reads only the splits holding keys, which it counts
 the same way, so stale scratch is never read and a padded row (seq_len 0) comes out exactly 0.
 Everything is read on the device (seq_lens, block tables): no host sync, no allocation given a
-DecodeScratch, so a step can be captured in a CUDA graph.
+DecodeScratch, so a step can be captured in a CUDA graph. Attention sinks (gpt-oss: a logit per
+head that joins the softmax's denominator and weighs no value) enter in stage 2, as one more term
+of the merged sum.
 """
 
 from __future__ import annotations
@@ -77,13 +81,22 @@ class DecodeScratch:
 
 
 @triton.jit
-def _split_len(seq_len, num_splits, BLOCK_N: tl.constexpr):
-    return tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+def _split_len(num_keys, num_splits, BLOCK_N: tl.constexpr):
+    return tl.cdiv(tl.cdiv(num_keys, num_splits), BLOCK_N) * BLOCK_N
+
+
+@triton.jit
+def _first_key(seq_len, window):
+    """The first key a row of seq_len keys attends to: its last `window` under a sliding window (> 0)."""
+    first = seq_len * 0
+    if window > 0:
+        first = tl.maximum(seq_len - window, 0)
+    return first
 
 
 @triton.jit
 def _decode_split_kernel(q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, tables_ptr, seq_lens_ptr,
-                         part_out_ptr, part_lse_ptr, qk_scale, num_splits,
+                         part_out_ptr, part_lse_ptr, qk_scale, num_splits, window,
                          stride_qb, stride_qh, stride_qd,
                          stride_cb, stride_ct, stride_ch, stride_cd, stride_sb, stride_st, stride_sh, stride_table,
                          stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
@@ -94,8 +107,9 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, tables_p
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + row)
-    split_len = _split_len(seq_len, num_splits, BLOCK_N)
-    start = split * split_len
+    first = _first_key(seq_len, window)
+    split_len = _split_len(seq_len - first, num_splits, BLOCK_N)
+    start = first + split * split_len
     end = tl.minimum(start + split_len, seq_len)
     if start < end:
         table_ptr = tables_ptr + row * stride_table
@@ -126,14 +140,16 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, tables_p
 
 
 @triton.jit
-def _decode_merge_kernel(part_out_ptr, part_lse_ptr, seq_lens_ptr, out_ptr, num_splits,
+def _decode_merge_kernel(part_out_ptr, part_lse_ptr, seq_lens_ptr, sinks_ptr, out_ptr, num_splits, window,
                          stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
                          stride_ob, stride_oh, stride_od,
-                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
+                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                         HAS_SINKS: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + row)
-    used = tl.cdiv(seq_len, tl.maximum(_split_len(seq_len, num_splits, BLOCK_N), 1))  # the splits with keys
+    num_keys = seq_len - _first_key(seq_len, window)
+    used = tl.cdiv(num_keys, tl.maximum(_split_len(num_keys, num_splits, BLOCK_N), 1))  # the splits with keys
     lse_ptr = part_lse_ptr + row * stride_lb + head * stride_lh
     part_ptr = part_out_ptr + row * stride_pb + head * stride_ph
     dims = tl.arange(0, BLOCK_D)
@@ -144,6 +160,10 @@ def _decode_merge_kernel(part_out_ptr, part_lse_ptr, seq_lens_ptr, out_ptr, num_
         top = tl.maximum(top, tl.load(lse_ptr + split))
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
     total = tl.zeros([], dtype=tl.float32)
+    if HAS_SINKS and used > 0:  # base 2, as the scores are
+        sink = tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634
+        top = tl.maximum(top, sink)
+        total += tl.exp2(sink - top)
     for split in range(0, used):
         weight = tl.exp2(tl.load(lse_ptr + split) - top)
         acc += weight * tl.load(part_ptr + split * stride_ps + dims, mask=dim_mask, other=0.0)
@@ -156,11 +176,14 @@ def _decode_merge_kernel(part_out_ptr, part_lse_ptr, seq_lens_ptr, out_ptr, num_
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
                      block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, num_splits: int,
                      scratch: DecodeScratch | None = None, k_scale: torch.Tensor | None = None,
-                     v_scale: torch.Tensor | None = None, **config: int) -> torch.Tensor:
+                     v_scale: torch.Tensor | None = None, window: int | None = None,
+                     sinks: torch.Tensor | None = None, **config: int) -> torch.Tensor:
     """Attention of one query per row, q [B, H, D] (any strides), over the paged caches
     [N, block_size, KVH, D] into out [B, H, D]: row b attends to its first seq_lens[b] keys
-    (int32 [B]; 0 gives 0) through block_tables [B, W] (int32). An 8-bit cache passes its scales
-    [N, block_size, KVH]. Keywords (block_n, num_warps, num_stages) override decode_config's."""
+    (int32 [B]; 0 gives 0), the last `window` of them under a sliding window, through block_tables
+    [B, W] (int32). An 8-bit cache passes its scales [N, block_size, KVH]; sinks [H] (float32) are
+    gpt-oss's logits per head in each softmax's denominator. Keywords (block_n, num_warps,
+    num_stages) override decode_config's."""
     batch, num_heads, head_dim = q.shape
     kv_heads = k_cache.shape[2]
     group = num_heads // kv_heads
@@ -179,12 +202,15 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     part, lse = scratch.out, scratch.lse
     _decode_split_kernel[(batch, kv_heads, num_splits)](
         q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, part, lse, scale * LOG2E, num_splits,
-        *q.stride(), *k_cache.stride(), *k_scale.stride()[:3], block_tables.stride(0),
+        window or 0, *q.stride(), *k_cache.stride(), *k_scale.stride()[:3], block_tables.stride(0),
         *part.stride()[:3], *lse.stride()[:2],
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_H=max(16, triton.next_power_of_2(group)),
         BLOCK_N=cfg.block_n, BLOCK_SIZE=k_cache.shape[1], QUANTIZED=quantized,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False)
+    assert sinks is None or sinks.shape == (num_heads,)
     _decode_merge_kernel[(batch, num_heads)](
-        part, lse, seq_lens, out, num_splits, *part.stride()[:3], *lse.stride()[:2], *out.stride(),
-        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=cfg.block_n, num_warps=1, enable_fp_fusion=False)
+        part, lse, seq_lens, part if sinks is None else sinks, out, num_splits, window or 0,
+        *part.stride()[:3], *lse.stride()[:2], *out.stride(),
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=cfg.block_n, HAS_SINKS=sinks is not None, num_warps=1,
+        enable_fp_fusion=False)
     return out

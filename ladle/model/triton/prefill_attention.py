@@ -18,6 +18,11 @@ disable FMA contraction, so the compiler cannot fuse the unmasked loop's product
 from the masked one's. The softmax runs in base 2, log2(e) folded into the scale, all in
 float32; P is rounded to the compute dtype for the P @ V product, as in FlashAttention.
 
+Under a sliding window a row attends to its last `window` positions only: the tiles below the
+block's first row's window are skipped (for every row of the block they would be exact no-ops) and
+no key below it is read; the rows' lower bounds join the mask. Attention sinks (gpt-oss: a logit
+per head) join each row's denominator at the end, weighing no value.
+
 An 8-bit cache is dequantised by its per-key scales outside the products: K's scale multiplies
 the scores and V's is folded into P, and int8/fp8 values convert exactly to the query's dtype.
 """
@@ -167,13 +172,13 @@ def attend_tile(q, k_t, v, k_scale, v_scale, acc, m, l, qk_scale, mask, QUANTIZE
 # -- the extend kernel --------------------------------------------------------------------------
 
 @triton.jit
-def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, k_scale_ptr, v_scale_ptr, tables_ptr,
-                    q_starts_ptr, q_lens_ptr, ctx_lens_ptr, plan_span_ptr, plan_row_ptr, qk_scale,
+def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, k_scale_ptr, v_scale_ptr, tables_ptr, sinks_ptr,
+                    q_starts_ptr, q_lens_ptr, ctx_lens_ptr, plan_span_ptr, plan_row_ptr, qk_scale, window,
                     stride_qt, stride_qh, stride_qd, stride_ot, stride_oh, stride_od,
                     stride_cb, stride_ct, stride_ch, stride_cd, stride_sb, stride_st, stride_sh, stride_table,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    QUANTIZED: tl.constexpr):
+                    QUANTIZED: tl.constexpr, HAS_SINKS: tl.constexpr):
     program = tl.program_id(0)
     head = tl.program_id(1)
     kv_head = head // GROUP
@@ -195,13 +200,28 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, k_scale_ptr, v_scale_ptr, tabl
 
     first_pos = ctx_len - q_len + first_row
     num_keys = tl.maximum(ctx_len - q_len + tl.minimum(first_row + BLOCK_M, q_len), 0)  # the last row's keys
-    unmasked_tiles = tl.maximum(first_pos + 1, 0) // BLOCK_N  # every key <= every row's position
     tiles = tl.cdiv(num_keys, BLOCK_N)
+    # the keys each row attends to are (lows, positions]; tiles [0, first_tile) are below every row's
+    lows = positions - window if window > 0 else positions * 0 - 1
+    first_key = tl.maximum(first_pos - window + 1, 0) if window > 0 else first_pos * 0
+    first_tile = first_key // BLOCK_N
+    # tiles [low_tiles, unmasked_tiles) hold keys within every row's window and at or below its position
+    low_tiles = tl.cdiv(tl.maximum(num_keys - window, 0), BLOCK_N) if window > 0 else first_tile
+    low_tiles = tl.minimum(tl.maximum(low_tiles, first_tile), tiles)
+    unmasked_tiles = tl.maximum(tl.minimum(tl.maximum(first_pos + 1, 0) // BLOCK_N, tiles), low_tiles)
 
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l = tl.zeros([BLOCK_M], dtype=tl.float32)
-    for tile in range(0, unmasked_tiles):
+    for tile in range(first_tile, low_tiles):
+        keys = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        k_t, v, k_scale, v_scale = load_kv_tile(
+            k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, table_ptr, keys, (keys >= first_key) & (keys < num_keys), kv_head,
+            dims, stride_cb, stride_ct, stride_ch, stride_cd, stride_sb, stride_st, stride_sh,
+            q.dtype, HEAD_DIM, BLOCK_SIZE, QUANTIZED)
+        seen = (keys[None, :] <= positions[:, None]) & (keys[None, :] > lows[:, None])
+        acc, m, l = attend_tile(q, k_t, v, k_scale, v_scale, acc, m, l, qk_scale, seen, QUANTIZED)
+    for tile in range(low_tiles, unmasked_tiles):
         keys = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         k_t, v, k_scale, v_scale = load_kv_tile(
             k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, table_ptr, keys, None, kv_head, dims,
@@ -211,12 +231,15 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, k_scale_ptr, v_scale_ptr, tabl
     for tile in range(unmasked_tiles, tiles):
         keys = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         k_t, v, k_scale, v_scale = load_kv_tile(
-            k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, table_ptr, keys, keys < num_keys, kv_head, dims,
-            stride_cb, stride_ct, stride_ch, stride_cd, stride_sb, stride_st, stride_sh,
+            k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, table_ptr, keys, (keys >= first_key) & (keys < num_keys), kv_head,
+            dims, stride_cb, stride_ct, stride_ch, stride_cd, stride_sb, stride_st, stride_sh,
             q.dtype, HEAD_DIM, BLOCK_SIZE, QUANTIZED)
-        causal = keys[None, :] <= positions[:, None]
-        acc, m, l = attend_tile(q, k_t, v, k_scale, v_scale, acc, m, l, qk_scale, causal, QUANTIZED)
+        seen = (keys[None, :] <= positions[:, None]) & (keys[None, :] > lows[:, None])
+        acc, m, l = attend_tile(q, k_t, v, k_scale, v_scale, acc, m, l, qk_scale, seen, QUANTIZED)
 
+    if HAS_SINKS:  # one more term of the denominator, in base 2 against the row's running max
+        sink = tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634
+        l = tl.where(l > 0, l + tl.exp2(sink - m), l)
     o = acc / tl.where(l > 0, l, 1.0)[:, None]  # a fully masked row: 0, not 0/0
     tl.store(out_ptr + q_rows[:, None] * stride_ot + head * stride_oh + dims[None, :] * stride_od,
              o.to(out_ptr.dtype.element_ty), mask=q_mask)
@@ -226,12 +249,15 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                       block_tables: torch.Tensor, q_starts: torch.Tensor, q_lens: torch.Tensor,
                       ctx_lens: torch.Tensor, plan: QueryBlocks, scale: float,
                       k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                      window: int | None = None, sinks: torch.Tensor | None = None,
                       **config: int) -> torch.Tensor:
     """Causal attention of the spans' query rows q [T, H, D] (any strides) over the paged caches
-    [N, block_size, KVH, D], into out [T, H, D] (rows outside every span untouched). block_tables
-    [S, W], q_starts, q_lens, ctx_lens [S] are int32 on q's device; plan comes from
-    plan_query_blocks(q_lens, block_m). An 8-bit cache passes its scales [N, block_size, KVH].
-    Keywords (block_n, num_warps, num_stages) override prefill_config's; block_m is the plan's."""
+    [N, block_size, KVH, D], into out [T, H, D] (rows outside every span untouched), each row over
+    its last `window` positions under a sliding window. block_tables [S, W], q_starts, q_lens,
+    ctx_lens [S] are int32 on q's device; plan comes from plan_query_blocks(q_lens, block_m). An
+    8-bit cache passes its scales [N, block_size, KVH]; sinks [H] (float32) are gpt-oss's logits per
+    head in each softmax's denominator. Keywords (block_n, num_warps, num_stages) override
+    prefill_config's; block_m is the plan's."""
     _, num_heads, head_dim = q.shape
     kv_heads = k_cache.shape[2]
     assert num_heads % kv_heads == 0 and out.shape == q.shape and k_cache.shape[3] == head_dim
@@ -242,11 +268,12 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     if len(plan) == 0:
         return out
     plan = plan.to(q.device)
+    assert sinks is None or sinks.shape == (num_heads,)
     _prefill_kernel[(len(plan), num_heads)](
-        q, k_cache, v_cache, out, k_scale, v_scale, block_tables, q_starts, q_lens, ctx_lens,
-        plan.span, plan.first_row, scale * LOG2E,
+        q, k_cache, v_cache, out, k_scale, v_scale, block_tables, q if sinks is None else sinks,
+        q_starts, q_lens, ctx_lens, plan.span, plan.first_row, scale * LOG2E, window or 0,
         *q.stride(), *out.stride(), *k_cache.stride(), *k_scale.stride()[:3], block_tables.stride(0),
         GROUP=num_heads // kv_heads, HEAD_DIM=head_dim, BLOCK_D=max(triton.next_power_of_2(head_dim), 16),
         BLOCK_SIZE=k_cache.shape[1], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, QUANTIZED=quantized,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False)
+        HAS_SINKS=sinks is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False)
     return out
