@@ -45,6 +45,7 @@ def run(llm: LLM) -> list:
 @pytest.mark.parametrize("kind, expert_parallel", [
     ("llama", False), ("qwen2", False), ("qwen2_moe", False), ("qwen2_moe", True), ("qwen3_moe", True),
     ("mixtral", True), ("gemma3", False),  # Gemma 3: sliding windows and its norms on each rank
+    ("gpt_oss", False), ("gpt_oss", True),  # its sinks split by head, its output and expert biases added once
 ])
 def test_two_ranks_match_one_process_and_transformers(tmp_path: Path, smollm2_dir: Path, kind: str,
                                                        expert_parallel: bool) -> None:

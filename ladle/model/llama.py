@@ -86,12 +86,14 @@ def _layer_weights(w: dict[str, torch.Tensor | GroupedWeight], i: int, cfg: Mode
         qkv=linear(cat([shard.rows(w.pop(attn + f"{n}_proj.weight"), spans[n]) for n in "qkv"]), bias),
         q_norm=norm(attn + "q_norm.weight") if cfg.qk_norm else None,
         k_norm=norm(attn + "k_norm.weight") if cfg.qk_norm else None,
-        o_proj=linear(shard.columns(o_proj, spans["q"]), w.pop(attn + "o_proj.bias") if cfg.o_proj_bias else None),
+        o_proj=linear(shard.columns(o_proj, spans["q"]),
+                      shard.row_parallel_bias(w.pop(attn + "o_proj.bias")) if cfg.o_proj_bias else None),
         post_attn_norm=norm(p + ("pre_feedforward_layernorm.weight" if gemma else "post_attention_layernorm.weight")),
         gate_up=gate_up, down=down, moe=moe,
         attn_out_norm=norm(p + "post_attention_layernorm.weight") if gemma else None,
         mlp_out_norm=norm(p + "post_feedforward_layernorm.weight") if gemma else None,
-        sinks=w.pop(attn + "sinks").float().contiguous() if cfg.attention_sinks else None,
+        sinks=shard.rows(w.pop(attn + "sinks"), shard.span(cfg.num_attention_heads)).float().contiguous()
+        if cfg.attention_sinks else None,
         v_norm=torch.ones(d, device=o_proj.device) if gemma4 else None,
         layer_scalar=w.pop(p + "layer_scalar").to(o_proj.dtype) if gemma4 else None,
     )

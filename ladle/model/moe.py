@@ -173,10 +173,13 @@ def load_moe_block(w: dict[str, Weight], layer: int, cfg: ModelConfig, shard: Sh
 
     def expert(gate: Weight, up: Weight, down: Weight, whole: bool,
                biases: tuple[torch.Tensor, torch.Tensor] | None = None) -> Expert:
+        gate_up_bias, down_bias = biases or (None, None)
         if not whole:
             span = shard.span(gate.shape[0])
             gate, up, down = shard.rows(gate, span), shard.rows(up, span), shard.columns(down, span)
-        gate_up_bias, down_bias = biases or (None, None)
+            if gate_up_bias is not None:  # gate's half and up's cut as their rows; the summed output's bias once
+                gate_up_bias = torch.cat([shard.rows(b, span) for b in gate_up_bias.chunk(2)])
+                down_bias = shard.row_parallel_bias(down_bias)
         return Expert(linear(cat([gate, up]), gate_up_bias), linear(down, down_bias), moe.clamped_swiglu)
 
     held = shard.experts(moe.num_experts)

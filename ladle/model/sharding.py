@@ -49,8 +49,6 @@ class Shard:
         """Raises ValueError where cfg does not split evenly over world ranks."""
         if self.whole:
             return
-        if cfg.model_type == "gpt_oss":  # its output and expert biases would be added once per rank
-            raise ValueError("gpt-oss runs on one rank only for now (no tensor or expert parallel)")
         sizes = {"num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads,
                  "intermediate_size": cfg.intermediate_size}
         if cfg.moe is not None:
@@ -97,6 +95,10 @@ class Shard:
             mins = None if w.mins is None else w.mins[:, groups].clone()
             return GroupedWeight(w.q[:, span].clone(), w.scales[:, groups].clone(), mins, w.source)
         return w[:, span].clone()
+
+    def row_parallel_bias(self, bias: torch.Tensor) -> torch.Tensor | None:
+        """A row-parallel layer's bias: its ranks' outputs are partial sums, so one rank adds it."""
+        return bias if self.rank == 0 else None
 
     def column_parallel(self, parts: list[Weight]) -> list[Weight]:
         """Each of several fused projections (gate and up, say) cut to this rank's output rows."""
