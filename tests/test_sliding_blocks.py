@@ -149,10 +149,11 @@ def test_a_model_with_full_layers_keeps_every_block(tmp_path: Path, smollm2_dir:
     assert held[-1] == llm.engine.kv.blocks_for(len(llm.tokenizer.encode(prompt)) + 7)
 
 
-def test_hits_through_hollow_blocks_match_transformers_and_score_the_same_bits(mistral) -> None:
+def test_hits_through_hollow_blocks_match_transformers_and_score_the_same_bits(mistral, kernels: str) -> None:
     """A pool so small that a long prompt's early blocks are evicted (hollow) by the next prompts; the
     long prompt extended then starts from its window's cached blocks, generation matches
-    transformers, and a canonical question scores the same bits cold and from such a hit."""
+    transformers, and a canonical question scores the same bits cold and from such a hit: on the native
+    kernels, and on torch's block-aligned tiles (which read a released block as block 0, masked)."""
     folder, hf_model = mistral
     llm = LLM(str(folder), dtype="float32", block_size=8, num_kv_blocks=24, max_num_batched_tokens=16)
     kv = llm.engine.kv
