@@ -18,7 +18,7 @@ import uvicorn
 
 from ladle.bench.client import RequestResult, Target
 from ladle.bench.datasets import SampleRequest
-from ladle.bench.metrics import compute_metrics, is_good, parse_goodput, parse_percentiles, tpot
+from ladle.bench.metrics import compute_metrics, is_good, parse_goodput, parse_percentiles, request_itl, tpot
 from ladle.bench.runner import LoadSpec, arrival_times, run_load
 from ladle.bench.sweep import find_knee
 from ladle.cli import main as ladle_main
@@ -246,9 +246,30 @@ def test_goodput_needs_every_slo():
     assert is_good(_result(0.1, 0.1, 1), {"tpot": 1})  # one token: TPOT counts as 0
     assert parse_goodput(["ttft:500", "tpot:50"]) == {"ttft": 500.0, "tpot": 50.0}
     assert parse_goodput(["ttft:500,e2el:2000"]) == {"ttft": 500.0, "e2el": 2000.0}
-    for bad in (["itl:5"], ["ttft"], ["ttft:-1"], ["ttft:abc"]):
+    for bad in (["itl5"], ["ttft"], ["ttft:-1"], ["ttft:abc"], ["ttfb:5"]):
         with pytest.raises(ValueError):
             parse_goodput(bad)
+
+
+def test_the_itl_slo_holds_each_requests_p99_gap():
+    """Ten gaps of 20 ms and one stall of 300 ms: TPOT (their mean, 45 ms) hides the stall, the p99 gap
+    (numpy's linear interpolation: 20 + 0.9 x 280 = 272 ms) does not."""
+    r = _result(ttft=0.1, latency=0.1 + 0.5, tokens=12)
+    r.itl = [0.02] * 10 + [0.3]
+    assert tpot(r) * 1000 == pytest.approx(500 / 11)
+    assert request_itl(r) * 1000 == pytest.approx(272.0)
+    assert is_good(r, {"tpot": 50}) and not is_good(r, {"itl": 250}) and is_good(r, {"itl": 275})
+    assert is_good(_result(0.1, 0.1, 1), {"itl": 1})  # one token: no gap
+    assert parse_goodput(["itl:200"]) == {"itl": 200.0}
+
+
+def test_token_goodput_counts_the_good_requests_output_tokens():
+    """By hand: 3 requests over 2 s; the two within TTFT 300 ms made 10 + 30 tokens: 20 tok/s, 1 req/s."""
+    results = [_result(0.1, 1.0, 10), _result(0.2, 1.0, 30), _result(0.5, 1.0, 50)]
+    m = compute_metrics(results, duration=2.0, percentiles=[99], slo={"ttft": 300})
+    assert m["goodput_tok_s"] == pytest.approx(20.0) and m["request_goodput"] == pytest.approx(1.0)
+    assert m["good_completed"] == 2 and m["output_throughput"] == pytest.approx(45.0)
+    assert compute_metrics(results, 2.0, [99])["goodput_tok_s"] is None
 
 
 def test_metrics_fields_and_goodput_arithmetic():

@@ -22,6 +22,7 @@ from ladle.cli import main as ladle_main
 from ladle.server.protocol import Timings
 
 TTFT_HISTOGRAM = "vllm:time_to_first_token_seconds"
+TPOT_HISTOGRAM = "vllm:request_time_per_output_token_seconds"
 
 
 def _histogram(text: str, name: str) -> tuple[float, float]:
@@ -52,13 +53,17 @@ def test_sweep_on_loopback(server: Server, tmp_path: Path):
     assert (tmp_path / "live.png").stat().st_size > 10_000
 
 
-def test_client_ttft_matches_server_histogram(server: Server, tmp_path: Path):
+def test_client_ttft_and_tpot_match_the_servers_histograms(server: Server, tmp_path: Path):
+    """The client's mean TTFT and TPOT against the server's vllm:time_to_first_token_seconds and
+    vllm:request_time_per_output_token_seconds (the histogram the goodput proxy query reads)."""
     server.wait_idle()
-    sum0, count0 = _histogram(httpx.get(f"{server.url}/metrics").text, TTFT_HISTOGRAM)
+    before = httpx.get(f"{server.url}/metrics").text
+    sum0, count0 = _histogram(before, TTFT_HISTOGRAM)
+    tpot_sum0, tpot_count0 = _histogram(before, TPOT_HISTOGRAM)
     # The client runs in its own process: the server here is a thread of the test process, and a client
     # sharing its GIL would add its own parsing time to the TTFT it sees.
     subprocess.run([sys.executable, "-m", "ladle.cli", "bench", "serve", "--base-url", server.url, "--model", MODEL,
-                    "--num-prompts", "16", "--random-input-len", "128", "--random-output-len", "4",
+                    "--num-prompts", "16", "--random-input-len", "128", "--random-output-len", "12",
                     "--random-range-ratio", "0", "--tokens-per-word", "1.0", "--seed", "0",
                     # a gentle, regular load: the comparison is of clocks, not of the server under pressure;
                     # 128-token prompts keep the HTTP handling before the engine's arrival stamp (~7 ms) small
@@ -67,13 +72,18 @@ def test_client_ttft_matches_server_histogram(server: Server, tmp_path: Path):
                    check=True, capture_output=True, timeout=120)
     result = json.loads((tmp_path / "ttft.json").read_text())
     server.wait_idle()
-    sum1, count1 = _histogram(httpx.get(f"{server.url}/metrics").text, TTFT_HISTOGRAM)
+    after = httpx.get(f"{server.url}/metrics").text
+    sum1, count1 = _histogram(after, TTFT_HISTOGRAM)
+    tpot_sum1, tpot_count1 = _histogram(after, TPOT_HISTOGRAM)
     assert result["completed"] == 16 and result["failed"] == 0
     assert count1 - count0 == 16
     server_ttft = (sum1 - sum0) / (count1 - count0)
     client_ttft = result["mean_ttft_ms"] / 1000.0
     assert client_ttft >= server_ttft * 0.99  # the client sees the first token after the server sends it
     assert abs(client_ttft - server_ttft) <= 0.1 * server_ttft
+    assert tpot_count1 - tpot_count0 == 16
+    server_tpot = (tpot_sum1 - tpot_sum0) / 16
+    assert abs(result["mean_tpot_ms"] / 1000.0 - server_tpot) <= 0.1 * server_tpot
 
 
 STORY = "You are a storyteller. Whatever you are asked, answer with a long story."

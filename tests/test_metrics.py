@@ -51,6 +51,8 @@ VLLM_HISTOGRAMS: dict[str, tuple[str, list[float] | None]] = {
     "vllm:time_to_first_token_seconds": ("Histogram of time to first token in seconds.", TIME_TO_FIRST_TOKEN_BUCKETS),
     "vllm:inter_token_latency_seconds": ("Histogram of inter-token latency in seconds.", INTER_TOKEN_LATENCY_BUCKETS),
     "vllm:e2e_request_latency_seconds": ("Histogram of e2e request latency in seconds.", REQUEST_LATENCY_BUCKETS),
+    "vllm:request_time_per_output_token_seconds": ("Histogram of time_per_output_token_seconds per request.",
+                                                   INTER_TOKEN_LATENCY_BUCKETS),
     "vllm:request_queue_time_seconds": ("Histogram of time spent in WAITING phase for request.",
                                         REQUEST_LATENCY_BUCKETS),
     "vllm:request_inference_time_seconds": ("Histogram of time spent in RUNNING phase for request.",

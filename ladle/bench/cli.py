@@ -130,9 +130,11 @@ def _add_common(p: argparse.ArgumentParser, num_prompts: int) -> None:
     r.add_argument("--seed", type=int, default=0,
                    help="seeds the sampled prompts and the arrival times, so a run repeats (a sweep's step i "
                         "samples its prompts with seed + i)")
-    r.add_argument("--goodput", nargs="+", metavar="KEY:MS", help="SLOs, e.g. ttft:500 tpot:50 e2el:10000")
+    r.add_argument("--goodput", nargs="+", metavar="KEY:MS",
+                   help="SLOs, e.g. ttft:500 tpot:50 itl:200 e2el:10000 (itl: the p99 of each request's "
+                        "inter-token gaps)")
     r.add_argument("--percentiles", "--metric-percentiles", dest="percentiles", default="99",
-                   help="comma-separated percentiles, e.g. 50,90,99")
+                   help="comma-separated percentiles, e.g. 50,90,99,99.9")
     r.add_argument("--percentile-metrics", default=",".join(LATENCY_METRICS), help="metrics shown in the table")
     r.add_argument("--ignore-eos", action="store_true", help="send ignore_eos (always on for --dataset random)")
     r.add_argument("--temperature", type=float, default=None,

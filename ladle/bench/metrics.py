@@ -3,7 +3,13 @@
 A request is good when it succeeded and meets every SLO given (DistServe's
 goodput, as vLLM computes it): TTFT <= ttft, TPOT <= tpot, E2EL <= e2el, in ms.
 TPOT = (E2EL - TTFT) / (output tokens - 1); a request of at most one output
-token has no TPOT sample, and counts as TPOT 0 against the SLO.
+token has no TPOT sample, and counts as TPOT 0 against the SLO. ITL <= itl holds
+when the 99th percentile of the request's own inter-token gaps is within it (the
+SLO serving playbooks state on ITL p99: a stall mid-stream fails it, where the
+mean a TPOT takes would hide it); a request with no gaps meets it.
+
+Goodput is given in requests (`request_goodput`) and in tokens (`goodput_tok_s`:
+the output tokens of the good requests), each per second of the run.
 """
 
 from __future__ import annotations
@@ -14,7 +20,8 @@ import numpy as np
 
 from ladle.bench.client import RequestResult
 
-SLO_METRICS = ("ttft", "tpot", "e2el")
+SLO_METRICS = ("ttft", "tpot", "itl", "e2el")
+ITL_SLO_PERCENTILE = 99.0
 LATENCY_METRICS = ("ttft", "tpot", "itl", "e2el")
 
 
@@ -51,11 +58,18 @@ def tpot(r: RequestResult) -> float:
     return (r.latency - r.ttft) / (r.output_tokens - 1) if r.output_tokens > 1 else 0.0
 
 
+def request_itl(r: RequestResult) -> float:
+    """Seconds: the 99th percentile of the request's inter-token gaps (0 without any)."""
+    return float(np.percentile(r.itl, ITL_SLO_PERCENTILE)) if r.itl else 0.0
+
+
 def is_good(r: RequestResult, slo: dict[str, float]) -> bool:
     if not r.success:
         return False
-    values = {"ttft": r.ttft, "tpot": tpot(r), "e2el": r.latency}
-    return all(values[name] * 1000.0 <= limit for name, limit in slo.items())
+    measured = {"ttft": r.ttft, "tpot": tpot(r), "e2el": r.latency}
+    if "itl" in slo:
+        measured["itl"] = request_itl(r)
+    return all(measured[name] * 1000.0 <= limit for name, limit in slo.items())
 
 
 def _peaks(ok: list[RequestResult]) -> tuple[float, int]:
@@ -92,7 +106,7 @@ def compute_metrics(results: list[RequestResult], duration: float, percentiles: 
         "itl": [gap for r in ok for gap in r.itl],
         "e2el": [r.latency for r in ok],
     }
-    good = sum(is_good(r, slo) for r in ok) if slo else None
+    good_requests = [r for r in ok if is_good(r, slo)] if slo else None
     peak_tokens, peak_requests = _peaks(ok)
     dur = max(duration, 1e-9)
     out: dict[str, Any] = {
@@ -102,8 +116,9 @@ def compute_metrics(results: list[RequestResult], duration: float, percentiles: 
         "total_input_tokens": total_input,
         "total_output_tokens": total_output,
         "request_throughput": len(ok) / dur,
-        "request_goodput": None if good is None else good / dur,
-        "good_completed": good,
+        "request_goodput": None if good_requests is None else len(good_requests) / dur,
+        "goodput_tok_s": None if good_requests is None else sum(r.output_tokens for r in good_requests) / dur,
+        "good_completed": None if good_requests is None else len(good_requests),
         "output_throughput": total_output / dur,
         "total_token_throughput": (total_input + total_output) / dur,
         "max_output_tokens_per_s": peak_tokens,

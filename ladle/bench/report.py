@@ -43,6 +43,7 @@ def format_table(result: dict[str, Any], percentiles: list[float],
     row("Request throughput (req/s):", result["request_throughput"], ".2f")
     if result.get("request_goodput") is not None:
         row("Request goodput (req/s):", result["request_goodput"], ".2f")
+        row("Token goodput (tok/s):", result["goodput_tok_s"], ".2f")
     row("Output token throughput (tok/s):", result["output_throughput"], ".2f")
     row("Peak output token throughput (tok/s):", result["max_output_tokens_per_s"], ".2f")
     row("Peak concurrent requests:", result["max_concurrent_requests"], ".2f")

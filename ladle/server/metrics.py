@@ -162,6 +162,9 @@ class Metrics:
                              ITL_BUCKETS)
         self.e2e = histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
                              REQUEST_LATENCY_BUCKETS)
+        # each finished sequence of two or more tokens: (last token - first) / (tokens - 1), as a client's TPOT
+        self.tpot = histogram("vllm:request_time_per_output_token_seconds",
+                              "Histogram of time_per_output_token_seconds per request.", ITL_BUCKETS)
         self.queue = histogram("vllm:request_queue_time_seconds",
                                "Histogram of time spent in WAITING phase for request.", REQUEST_LATENCY_BUCKETS)
         self.inference = histogram("vllm:request_inference_time_seconds",
@@ -221,6 +224,9 @@ class Metrics:
         self.inference.observe(last - scheduled)
         self.prefill.observe(first - scheduled)
         self.decode.observe(last - first)
+        for s in seqs:
+            if s.num_output_tokens > 1 and s.first_token_time is not None:
+                self.tpot.observe((s.last_token_time - s.first_token_time) / (s.num_output_tokens - 1))
         self.request_prompt_tokens.observe(seqs[0].num_prompt_tokens)
         self.request_generation_tokens.observe(sum(s.num_output_tokens for s in seqs))
         if self.reasoning_tokens is not None:
