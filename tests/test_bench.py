@@ -341,6 +341,24 @@ def test_serve_cli_writes_vllm_named_result(tmp_path: Path, capsys: pytest.Captu
     assert all(len(b["prompt"].split()) == 24 for b in sent)
 
 
+def test_warmups_are_sent_first_and_left_out_of_every_figure(tmp_path: Path):
+    app = FakeOpenAI(ttft=0.01, itl=0.002)
+    with serve(app) as url:
+        rc = ladle_main(["bench", "serve", "--base-url", url, "--num-prompts", "4", "--num-warmups", "3",
+                         "--random-input-len", "8", "--random-output-len", "3", "--skip-initial-test",
+                         "--disable-tqdm", "--save-result", "--result-dir", str(tmp_path), "--result-filename",
+                         "r.json"])
+    assert rc == 0
+    result = json.loads((tmp_path / "r.json").read_text())
+    completions = [body["prompt"] for path, body in app.bodies if path == "/v1/completions"]
+    assert len(completions) == 7 and result["completed"] == 4 and result["num_warmups"] == 3
+    assert result["total_output_tokens"] == 4 * 3 and result["cache"] == "warm"
+    assert not set(completions[:3]) & set(completions[3:])  # the warm-ups are prompts of their own
+    with serve(FakeOpenAI()) as url:  # a server without the route: a clear error, not a silent warm run
+        assert ladle_main(["bench", "serve", "--base-url", url, "--num-prompts", "1", "--reset-cache",
+                           "--skip-initial-test", "--disable-tqdm"]) == 1
+
+
 def test_decisions_cli(tmp_path: Path):
     app = FakeOpenAI(decision_delay=0.02)
     with serve(app) as url:

@@ -158,3 +158,21 @@ def test_agent_sessions_reuse_the_servers_prefix_cache(server: Server, tmp_path:
         assert prompts[k - 2] - block <= cached[k] < prompts[k], (k, prompts, cached)
     assert [t["turn"] for t in result["per_turn"]] == [0, 1, 2]
     assert result["agent"]["prefix_hit_rate"] == pytest.approx(sum(cached) / sum(prompts))
+
+
+def test_reset_cache_makes_a_repeated_run_cold(server: Server, tmp_path: Path):
+    """The same 3 prompts twice: the second run finds them cached; a third with --reset-cache finds nothing."""
+    def run(name: str, *extra: str) -> dict:
+        rc = ladle_main(["bench", "serve", "--base-url", server.url, "--model", MODEL, "--num-prompts", "3",
+                         "--random-input-len", "48", "--random-output-len", "2", "--max-concurrency", "1",
+                         "--tokens-per-word", "1.0", "--seed", "3", "--skip-initial-test", "--disable-tqdm",
+                         "--save-result", "--save-detailed", "--result-dir", str(tmp_path), "--result-filename",
+                         name, *extra])
+        assert rc == 0
+        return json.loads((tmp_path / name).read_text())
+
+    run("first.json")
+    warm = run("warm.json")
+    cold = run("cold.json", "--reset-cache")
+    assert warm["cache"] == "warm" and min(warm["cached_tokens"]) > 0
+    assert cold["cache"] == "cold" and cold["cached_tokens"] == [0, 0, 0]

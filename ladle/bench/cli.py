@@ -17,7 +17,7 @@ from typing import Any
 
 from ladle.bench.client import Target, is_chat
 from ladle.bench.datasets import DATASETS, DatasetSpec, SampleRequest, sample_requests
-from ladle.bench.discover import TargetInfo, check_request, discover
+from ladle.bench.discover import TargetInfo, check_request, discover, reset_prefix_cache
 from ladle.bench.metrics import (
     LATENCY_METRICS, agent_turn_metrics, compute_metrics, parse_goodput, parse_percentiles, per_request_fields,
 )
@@ -29,6 +29,7 @@ from ladle.bench.voice_report import format_voice_table
 from ladle.bench.voice_script import load_scripts, replicate
 
 PROBE_SEED_OFFSET = 999_983  # the initial test request comes from its own draw, not the benchmark's prompts
+WARMUP_SEED_OFFSET = 499_979  # so do the warm-up requests
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -145,6 +146,12 @@ def _add_common(p: argparse.ArgumentParser, num_prompts: int) -> None:
                    help="top_k sent in every request (default: none sent, the server's own)")
     r.add_argument("--extra-body", type=json.loads, default=None, help="JSON merged into every request body")
     r.add_argument("--skip-initial-test", action="store_true", help="do not send one test request first")
+    r.add_argument("--num-warmups", type=int, default=0, metavar="N",
+                   help="requests sent first, at the run's concurrency, and left out of every figure (a sweep "
+                        "sends them once, before its first step)")
+    r.add_argument("--reset-cache", action="store_true",
+                   help="POST /reset_prefix_cache after the warm-ups (ladle, vLLM), so the run (each step of a "
+                        "sweep) starts on a cold prefix cache; the result says cold or warm")
     r.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
 
     o = p.add_argument_group("output")
@@ -247,6 +254,8 @@ async def _prepare(args: argparse.Namespace) -> tuple[TargetInfo, DatasetSpec, d
         raise ValueError("--num-prompts must be at least 1")
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise ValueError("--max-concurrency must be at least 1")
+    if args.num_warmups < 0:
+        raise ValueError("--num-warmups must be 0 or more")
     sampling = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}
     target = Target(
         base_url=_base_url(args), model=args.model or "", endpoint=args.endpoint, api_key=args.api_key,
@@ -259,7 +268,19 @@ async def _prepare(args: argparse.Namespace) -> tuple[TargetInfo, DatasetSpec, d
     info = await discover(target, args.tokens_per_word, calibrate=calibrate)
     if not args.skip_initial_test:
         await check_request(info.target, _requests(spec, info, 1, args.seed + PROBE_SEED_OFFSET)[0])
+    if args.num_warmups:
+        print(f"Warming up with {args.num_warmups} requests (not counted) ...", flush=True)
+        warmups = _requests(spec, info, args.num_warmups, args.seed + WARMUP_SEED_OFFSET)
+        await run_load(info.target, warmups, LoadSpec(max_concurrency=args.max_concurrency), progress=False)
     return info, spec, slo, percentiles
+
+
+async def _cache_state(args: argparse.Namespace, target: Target) -> str:
+    """Reset the server's prefix cache where asked: the run is then "cold", else "warm"."""
+    if not args.reset_cache:
+        return "warm"
+    await reset_prefix_cache(target)
+    return "cold"
 
 
 def _requests(spec: DatasetSpec, info: TargetInfo, n: int, seed: int) -> list[SampleRequest]:
@@ -299,12 +320,13 @@ async def _serve(args: argparse.Namespace) -> int:
     print(f"Traffic request rate: {rate_text}\nBurstiness factor: {load.burstiness:g} "
           f"({'Poisson process' if load.burstiness == 1 else 'Gamma distribution'})\n"
           f"Maximum request concurrency: {load.max_concurrency}", flush=True)
+    cache = await _cache_state(args, info.target)
     run = await run_load(info.target, requests, load, progress=not args.disable_tqdm)
     metrics = compute_metrics(run.results, run.duration, percentiles, slo or None)
     metrics.update(agent_turn_metrics(run.results) or {})
     traffic = {"request_rate": "inf" if math.isinf(load.request_rate) else load.request_rate,
                "burstiness": load.burstiness, "max_concurrency": load.max_concurrency,
-               "goodput_slo_ms": slo or None}
+               "goodput_slo_ms": slo or None, "num_warmups": args.num_warmups, "cache": cache}
     result = {**_header(args, info, traffic), **_pairs(args.metadata, "--metadata"), **metrics}
     shown = tuple(m.strip() for m in args.percentile_metrics.split(",") if m.strip() in LATENCY_METRICS)
     print(format_table(result, percentiles, shown))
@@ -337,9 +359,13 @@ async def _sweep(args: argparse.Namespace) -> int:
     def make_requests(step: int) -> list[SampleRequest]:
         return _requests(spec, info, args.num_prompts, args.seed + step)
 
+    reset = (lambda: reset_prefix_cache(info.target)) if args.reset_cache else None
     sweep = await run_sweep(info.target, make_requests, sweep_spec, base, percentiles, slo,
-                            progress=not args.disable_tqdm, log=lambda line: print(line, flush=True))
-    result = {**_header(args, info, {"burstiness": args.burstiness}), "model": info.target.model, **sweep}
+                            progress=not args.disable_tqdm, log=lambda line: print(line, flush=True),
+                            before_step=reset)
+    extra = {"burstiness": args.burstiness, "num_warmups": args.num_warmups,
+             "cache": "cold" if args.reset_cache else "warm"}
+    result = {**_header(args, info, extra), "model": info.target.model, **sweep}
     name = f"sweep-{args.by}-{_model_stem(info.target.model)}-{result['date']}.json"
     path = result_path(args.result_dir, args.result_filename, name)
     write_json(path, result)

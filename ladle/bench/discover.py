@@ -47,3 +47,17 @@ async def check_request(target: Target, req: SampleRequest) -> None:
     if not result.success:
         raise RuntimeError(f"the initial test request to {target.url(req.endpoint)} failed "
                            f"(check --base-url, --endpoint, --model): {result.error}")
+
+
+async def reset_prefix_cache(target: Target) -> None:
+    """POST /reset_prefix_cache (ladle's and vLLM's): the run that follows starts on a cold prefix cache."""
+    async with make_http_client(target) as http:
+        try:
+            r = await http.post(target.url("/reset_prefix_cache"), timeout=60.0)
+        except httpx.HTTPError as e:
+            raise RuntimeError(f"--reset-cache: {type(e).__name__}: {e}") from None
+    if r.status_code == 404:
+        raise RuntimeError(f"--reset-cache: {target.base_url} has no POST /reset_prefix_cache (ladle and vLLM "
+                           "have it; vLLM with VLLM_SERVER_DEV_MODE=1)")
+    if r.status_code >= 400:
+        raise RuntimeError(f"--reset-cache: the server answered {r.status_code}: {r.text[:300]}")

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Any, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from ladle.bench.client import Target
 from ladle.bench.datasets import SampleRequest
@@ -92,9 +93,10 @@ def _summary(step: dict[str, Any], by: str) -> str:
 
 async def run_sweep(target: Target, make_requests: Callable[[int], list[SampleRequest]], spec: SweepSpec,
                     base_load: LoadSpec, percentiles: list[float], slo: dict[str, float], *,
-                    progress: bool = True, log: Callable[[str], None] = print) -> dict[str, Any]:
+                    progress: bool = True, log: Callable[[str], None] = print,
+                    before_step: Callable[[], Awaitable[None]] | None = None) -> dict[str, Any]:
     """Run the sweep. `make_requests(step)` gives each step its own requests (fresh prompts, so a
-    prefix cache does not serve one step from another's)."""
+    prefix cache does not serve one step from another's); `before_step` runs before each (a cache reset)."""
     if not slo:
         raise ValueError("a sweep needs a goodput SLO (--goodput ttft:MS tpot:MS ...)")
     percentiles = sorted(set(percentiles) | {99.0})
@@ -103,6 +105,8 @@ async def run_sweep(target: Target, make_requests: Callable[[int], list[SampleRe
     for i, load in enumerate(spec.schedule()):
         requests = make_requests(i)
         ls = step_load(spec.by, load, base_load)
+        if before_step is not None:
+            await before_step()
         run = await run_load(target, requests, ls, progress=progress, desc=f"{spec.by} {load:g}")
         step = {
             "load": load,
