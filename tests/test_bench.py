@@ -440,3 +440,34 @@ def test_sweep_by_concurrency_finds_the_servers_capacity(tmp_path: Path):
     assert [s["max_concurrency"] for s in sweep["steps"]] == [1, 2, 4, 8][: len(sweep["steps"])]
     assert all(s["request_goodput"] <= s["request_throughput"] + 1e-9 for s in sweep["steps"])
     assert not (tmp_path / "c.png").exists()
+
+
+def test_a_trace_replays_on_its_clock_with_its_shared_blocks(tmp_path: Path):
+    """Arrivals at 0, 400, 600 and 1000 ms replayed twice as fast: sent 0, 200, 300 and 500 ms in, each
+    within 60 ms; lines sharing hash ids share those blocks' text, and a ShareGPT-style line is sent as is."""
+    trace = tmp_path / "trace.jsonl"
+    lines = [{"timestamp": 5000, "input_length": 24, "output_length": 2, "hash_ids": [7, 8]},
+             {"timestamp": 5400, "input_length": 20, "output_length": 3, "hash_ids": [7, 9]},
+             {"timestamp": 5600, "conversations": [{"from": "human", "value": "tell me a story"},
+                                                   {"from": "gpt", "value": "once"}], "output_length": 2},
+             {"timestamp": 6000, "input_length": 8, "output_length": 2}]
+    trace.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    app = FakeOpenAI(ttft=0.005, itl=0.001)
+    with serve(app) as url:
+        rc = ladle_main(["bench", "serve", "--base-url", url, "--dataset", "trace", "--dataset-path", str(trace),
+                         "--trace-speedup", "2", "--trace-block-len", "10", "--num-prompts", "4",
+                         "--tokens-per-word", "1", "--skip-initial-test", "--disable-tqdm"])
+    assert rc == 0
+    starts = sorted(admitted for _, admitted, _ in app.spans)
+    assert [round(t - starts[0], 3) for t in starts] == pytest.approx([0, 0.2, 0.3, 0.5], abs=0.06)
+    prompts = [body["prompt"] for path, body in app.bodies if path == "/v1/completions"]
+    first, second = (p.split() for p in prompts[:2])
+    assert first[:10] == second[:10] and first[10:20] != second[10:20]  # block 7 shared, 8 and 9 not
+    assert len(first) == 24 and len(second) == 20 and prompts[2] == "tell me a story"
+    with serve(FakeOpenAI()) as url:
+        assert ladle_main(["bench", "serve", "--base-url", url, "--dataset", "trace", "--dataset-path", str(trace),
+                           "--request-rate", "5", "--skip-initial-test", "--disable-tqdm"]) == 1
+    trace.write_text(json.dumps({"timestamp": 1, "input_length": 4, "output_length": 1, "cached": 3}) + "\n")
+    with pytest.raises(ValueError, match="unknown trace fields"):
+        from ladle.bench.trace import trace_dataset
+        trace_dataset(np.random.default_rng(0), trace, 1, 1.0, 512, 1.0)

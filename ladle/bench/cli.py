@@ -76,8 +76,14 @@ def _add_common(p: argparse.ArgumentParser, num_prompts: int) -> None:
     d.add_argument("--dataset", "--dataset-name", dest="dataset", choices=DATASETS, default="random",
                    help="the workload: random (random-word prompts of set lengths), sharegpt (the conversations "
                         "of --dataset-path), prefix (a few shared system prompts, each request with its own "
-                        "tail), agent (multi-turn tool-calling sessions), decisions (POST /v1/decisions requests)")
-    d.add_argument("--dataset-path", default=None, help="ShareGPT JSON file (--dataset sharegpt)")
+                        "tail), agent (multi-turn tool-calling sessions), decisions (POST /v1/decisions requests), "
+                        "trace (a recorded trace replayed on its own clock, --dataset-path)")
+    d.add_argument("--dataset-path", default=None,
+                   help="ShareGPT JSON file (--dataset sharegpt), or a JSONL trace (--dataset trace)")
+    d.add_argument("--trace-speedup", type=float, default=1.0,
+                   help="trace: replay this many times faster than recorded (the arrival gaps divided by it)")
+    d.add_argument("--trace-block-len", type=int, default=512,
+                   help="trace: tokens each of a line's hash_ids stands for (Mooncake's blocks are 512)")
     d.add_argument("--num-prompts", type=int, default=num_prompts, help="requests per run (per step in a sweep)")
     d.add_argument("--input-len", type=int, default=None, help="sets --random-input-len")
     d.add_argument("--output-len", type=int, default=None, help="sets every dataset's output length")
@@ -256,6 +262,10 @@ async def _prepare(args: argparse.Namespace) -> tuple[TargetInfo, DatasetSpec, d
         raise ValueError("--max-concurrency must be at least 1")
     if args.num_warmups < 0:
         raise ValueError("--num-warmups must be 0 or more")
+    if args.dataset == "trace" and not math.isinf(getattr(args, "request_rate", math.inf)):
+        raise ValueError("--request-rate: a trace arrives on its own clock (scale it with --trace-speedup)")
+    if args.dataset == "trace" and getattr(args, "by", None) == "rate":
+        raise ValueError("--by rate: a trace arrives on its own clock; sweep it --by concurrency")
     sampling = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}
     target = Target(
         base_url=_base_url(args), model=args.model or "", endpoint=args.endpoint, api_key=args.api_key,

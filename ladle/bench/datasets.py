@@ -17,7 +17,7 @@ import numpy as np
 
 from ladle.bench.words import DEFAULT_TOKENS_PER_WORD, WORDS, estimate_tokens, random_text
 
-DATASETS = ("random", "sharegpt", "prefix", "agent", "decisions")
+DATASETS = ("random", "sharegpt", "prefix", "agent", "decisions", "trace")
 AGENT_TOOLS = ("read_file", "run_tests", "search", "list_dir", "shell")
 
 
@@ -31,6 +31,7 @@ class SampleRequest:
     session_id: int | None = None  # turns of one agent session are sent in order, one at a time
     turn: int | None = None  # its index within the session
     think_time: float = 0.0  # seconds after the session's previous answer before it is sent (the tool's run)
+    arrival: float | None = None  # seconds after the start, from a trace (None: the load's schedule)
 
 
 @dataclass
@@ -38,7 +39,7 @@ class DatasetSpec:
     """Every dataset's knobs in one place; flag names follow `vllm bench serve` where it has them."""
 
     name: str = "random"
-    path: str | None = None  # sharegpt JSON file
+    path: str | None = None  # sharegpt JSON file, or a trace's JSONL
     random_input_len: int = 1024
     random_output_len: int = 128
     random_range_ratio: float = 0.0
@@ -56,6 +57,8 @@ class DatasetSpec:
     decisions_input_len: int = 256
     decisions_questions: int = 3
     decisions_options: int = 4
+    trace_speedup: float = 1.0
+    trace_block_len: int = 512  # tokens a trace's hash id stands for
 
 
 def sample_requests(spec: DatasetSpec, n: int, seed: int,
@@ -79,6 +82,12 @@ def sample_requests(spec: DatasetSpec, n: int, seed: int,
     if spec.name == "decisions":
         return decisions_dataset(rng, n, spec.decisions_input_len, spec.decisions_questions,
                                  spec.decisions_options, tpw)
+    if spec.name == "trace":
+        from ladle.bench.trace import trace_dataset
+
+        if not spec.path:
+            raise ValueError("the trace dataset needs --dataset-path (a JSONL trace)")
+        return trace_dataset(rng, spec.path, n, spec.trace_speedup, spec.trace_block_len, tpw)
     raise ValueError(f"unknown dataset {spec.name!r}; choose one of {', '.join(DATASETS)}")
 
 

@@ -3,7 +3,8 @@
 Arrivals follow vLLM's `bench serve`: all at once for an infinite rate, else
 gamma-distributed gaps with shape `burstiness` and mean 1/rate (burstiness 1 is
 a Poisson process, below 1 burstier, above 1 more regular), rescaled so the last
-arrival lands at n/rate. A request waits for a free slot when --max-concurrency
+arrival lands at n/rate. A trace's requests (--dataset trace) keep their own
+arrival times instead. A request waits for a free slot when --max-concurrency
 is reached.
 
 Agent sessions: a session's first turn arrives on the schedule like any request;
@@ -60,8 +61,11 @@ def arrival_times(n: int, request_rate: float, burstiness: float, rng: np.random
 
 async def run_load(target: Target, requests: list[SampleRequest], load: LoadSpec, *,
                    progress: bool = True, desc: str | None = None) -> LoadRun:
-    """Send `requests` on `load`'s schedule and wait for every answer."""
-    arrivals = arrival_times(len(requests), load.request_rate, load.burstiness, np.random.default_rng(load.seed))
+    """Send `requests` on `load`'s schedule (a trace's requests on their own) and wait for every answer."""
+    if requests and all(r.arrival is not None for r in requests):
+        arrivals = np.array([r.arrival for r in requests])
+    else:
+        arrivals = arrival_times(len(requests), load.request_rate, load.burstiness, np.random.default_rng(load.seed))
     slots = asyncio.Semaphore(load.max_concurrency) if load.max_concurrency else None
     bar = tqdm(total=len(requests), desc=desc, disable=not progress, unit="req", dynamic_ncols=True)
 
