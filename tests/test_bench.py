@@ -471,3 +471,23 @@ def test_a_trace_replays_on_its_clock_with_its_shared_blocks(tmp_path: Path):
     with pytest.raises(ValueError, match="unknown trace fields"):
         from ladle.bench.trace import trace_dataset
         trace_dataset(np.random.default_rng(0), trace, 1, 1.0, 512, 1.0)
+
+
+def test_the_goodput_search_finds_a_planted_knee(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    """A server that runs 5 requests at a time (50 ms to the first token, 170 ms a request): up to
+    concurrency 5 every TTFT is ~50 ms, past it a request waits a whole turn for a slot (220 ms or more),
+    far beyond the 120 ms SLO. Doubling meets at 1, 2, 4 and misses at 8; bisecting tries 6 (a miss:
+    one request of the ten waits) and 5 (meets)."""
+    app = FakeOpenAI(ttft=0.05, itl=0.02, capacity=5)
+    with serve(app) as url:
+        rc = ladle_main(["bench", "sweep", "--search", "goodput", "--by", "concurrency", "--base-url", url,
+                         "--num-prompts", "10", "--random-input-len", "8", "--random-output-len", "7",
+                         "--goodput", "ttft:120", "--attainment", "0.95", "--skip-initial-test", "--disable-tqdm",
+                         "--result-dir", str(tmp_path), "--result-filename", "search.json"])
+    assert rc == 0
+    found = json.loads((tmp_path / "search.json").read_text())
+    assert found["best"]["load"] == 5 and found["first_miss"] == 6
+    assert [s["load"] for s in found["steps"]] == [1, 2, 4, 5, 6, 8]
+    assert all(s["meets_target"] == (s["load"] <= 5) for s in found["steps"])
+    assert "highest concurrency meeting 95% attainment: 5" in capsys.readouterr().out
+    assert (tmp_path / "search.png").stat().st_size > 10_000

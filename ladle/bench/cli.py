@@ -55,6 +55,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="goodput must stay within this fraction of the offered load for the knee")
     sweep.add_argument("--stop-fraction", type=float, default=0.5, help="stop once goodput < this x its peak")
     sweep.add_argument("--no-plot", action="store_true", help="skip the PNG")
+    sweep.add_argument("--search", choices=("knee", "goodput"), default="knee",
+                       help="knee: step the loads up and mark the knee; goodput: double the load from --start "
+                            "until SLO attainment misses --attainment, then bisect to within 10%% (a concurrency: "
+                            "to adjacent ones) and report the highest load that meets it (GuideLLM's profile)")
+    sweep.add_argument("--attainment", type=float, default=0.95,
+                       help="--search goodput: the share of requests that must meet every SLO")
 
     voice = sub.add_parser("voice", help="replay voice-agent turn scripts in real time: wait for the end of "
                                          "turn vs eager drafts")
@@ -361,6 +367,8 @@ async def _sweep(args: argparse.Namespace) -> int:
     sweep_spec = SweepSpec(by=args.by, loads=loads, start=args.start, factor=args.factor, max_steps=args.max_steps,
                            knee_fraction=args.knee_fraction, stop_fraction=args.stop_fraction)
     sweep_spec.schedule()  # validate before touching the target
+    if args.search == "goodput" and args.loads:
+        raise ValueError("--loads: a goodput search chooses its loads (from --start, doubling, then bisecting)")
     if not args.goodput:
         raise ValueError("a sweep needs --goodput, e.g. --goodput ttft:500 tpot:50")
     info, spec, slo, percentiles = await _prepare(args)
@@ -370,6 +378,8 @@ async def _sweep(args: argparse.Namespace) -> int:
         return _requests(spec, info, args.num_prompts, args.seed + step)
 
     reset = (lambda: reset_prefix_cache(info.target)) if args.reset_cache else None
+    if args.search == "goodput":
+        return await _goodput_search(args, info, make_requests, base, percentiles, slo, reset)
     sweep = await run_sweep(info.target, make_requests, sweep_spec, base, percentiles, slo,
                             progress=not args.disable_tqdm, log=lambda line: print(line, flush=True),
                             before_step=reset)
@@ -393,6 +403,38 @@ async def _sweep(args: argparse.Namespace) -> int:
         print(f"knee: {args.by} {knee['load']:g} (goodput {knee['request_goodput']:.2f} req/s, "
               f"p99 TTFT {knee['p99_ttft_ms']:.1f} ms, p99 TPOT {knee['p99_tpot_ms']:.1f} ms); "
               f"stopped: {sweep['stop_reason']}")
+    return 0
+
+
+async def _goodput_search(args: argparse.Namespace, info: TargetInfo, make_requests, base: LoadSpec,
+                          percentiles: list[float], slo: dict[str, float], reset) -> int:
+    from ladle.bench.goodput_search import GoodputSearch, search_goodput
+
+    spec = GoodputSearch(by=args.by, start=args.start, attainment=args.attainment)
+    found = await search_goodput(info.target, make_requests, spec, base, percentiles, slo,
+                                 progress=not args.disable_tqdm, log=lambda line: print(line, flush=True),
+                                 before_step=reset)
+    extra = {"burstiness": args.burstiness, "num_warmups": args.num_warmups,
+             "cache": "cold" if args.reset_cache else "warm"}
+    result = {**_header(args, info, extra), "model": info.target.model, **found}
+    name = f"goodput-{args.by}-{_model_stem(info.target.model)}-{result['date']}.json"
+    path = result_path(args.result_dir, args.result_filename, name)
+    write_json(path, result)
+    print(f"search written to {path}")
+    if not args.no_plot:
+        from ladle.bench.plot import plot_sweep
+
+        png = Path(path).with_suffix(".png")
+        plot_sweep(result, png, marked="best")
+        print(f"plot written to {png}")
+    best = found["best"]
+    if best is None:
+        print(f"highest {args.by} meeting {args.attainment:.0%} attainment: none (even {args.start:g} misses)")
+        return 1
+    print(f"highest {args.by} meeting {args.attainment:.0%} attainment: {best['load']:g} "
+          f"(attainment {best['attainment']:.1%}, goodput {best['request_goodput']:.2f} req/s, "
+          f"{best['goodput_tok_s']:.1f} tok/s); first miss: "
+          f"{'none up to the largest load' if found['first_miss'] is None else format(found['first_miss'], 'g')}")
     return 0
 
 

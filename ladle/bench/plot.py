@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Any
 
 
-def plot_sweep(sweep: dict[str, Any], path: str | Path) -> None:
+def plot_sweep(sweep: dict[str, Any], path: str | Path, marked: str = "knee") -> None:
+    """marked: the step the sweep singles out, "knee" (a sweep's) or "best" (a goodput search's)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -19,7 +20,7 @@ def plot_sweep(sweep: dict[str, Any], path: str | Path) -> None:
     by = sweep["by"]
     loads = [s["load"] for s in steps]
     slo = sweep.get("goodput_slo_ms") or {}
-    knee = sweep.get("knee")
+    knee = sweep.get(marked)
     xlabel = "request rate (req/s)" if by == "rate" else "max concurrency"
 
     fig = Figure(figsize=(11, 8), layout="constrained")
@@ -45,7 +46,7 @@ def plot_sweep(sweep: dict[str, Any], path: str | Path) -> None:
         ax_.set_title(title)
     for ax_ in (ax, *(p[0] for p in panels)):
         if knee is not None:
-            ax_.axvline(knee["load"], color="black", linestyle="-.", alpha=0.6, label=f"knee {knee['load']:g}")
+            ax_.axvline(knee["load"], color="black", linestyle="-.", alpha=0.6, label=f"{marked} {knee['load']:g}")
         if len(loads) > 1 and max(loads) / min(loads) >= 8:
             ax_.set_xscale("log", base=2)
         ax_.set_xlabel(xlabel)
