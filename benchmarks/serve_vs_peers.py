@@ -20,6 +20,10 @@ embedding/lm_head is then 44M parameters, not 136M, so the model has 0.40B param
 Each round starts every server in turn (subprocess on a free 127.0.0.1 port), waits for /health,
 warms it up, runs the cases and stops it; the table holds the median over --rounds.
 
+With --goodput, each server is also searched for the highest concurrency and request rate that meet an
+SLO for --attainment of the requests (peer_goodput.py; by default TTFT <= 2 s and TPOT <= 100 ms for
+99%), warm-ups discarded: a second table, and a PNG with one curve per server.
+
 Usage:
   .venv/bin/python benchmarks/serve_vs_peers.py --servers ladle:float32,vllm:float32,vllm:bfloat16 \
       --vllm-python /work/peers/vllm/bin/python --rounds 3
@@ -55,6 +59,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).parent))
+import peer_goodput  # noqa: E402
 from common import free_port, running_server  # noqa: E402
 from ladle.bench.client import RequestResult, Target, first_model, make_http_client, send  # noqa: E402
 from ladle.bench.datasets import SampleRequest  # noqa: E402
@@ -356,7 +361,18 @@ def main() -> None:
     ap.add_argument("--llama-args", default="", help="extra flags for llama-server, one string")
     ap.add_argument("--start-timeout", type=float, default=900.0, help="seconds to wait for /health")
     ap.add_argument("--request-timeout", type=float, default=900.0)
+    ap.add_argument("--goodput", action="store_true", help="also search each server's goodput knee (see above)")
+    ap.add_argument("--slo", default=peer_goodput.SearchSpec.slo, help="the goodput SLO, KEY:MS,... (p99 terms)")
+    ap.add_argument("--attainment", type=float, default=peer_goodput.SearchSpec.attainment)
+    ap.add_argument("--search-prompts", type=int, default=peer_goodput.SearchSpec.num_prompts,
+                    help="requests per load the goodput search measures")
+    ap.add_argument("--search-output-len", type=int, default=peer_goodput.SearchSpec.output_len)
     args = ap.parse_args()
+    search_spec = peer_goodput.SearchSpec(slo=args.slo, attainment=args.attainment, num_prompts=args.search_prompts,
+                                          output_len=args.search_output_len)
+    if args.quick:
+        search_spec = peer_goodput.SearchSpec(slo=args.slo, attainment=args.attainment, num_prompts=4,
+                                              prompt_len=16, output_len=4, warmups=1, max_steps=3)
     servers, work = parse_servers(args.servers), cases(args.quick, args.waves)
     if args.quick:
         peers = [s.label for s in servers if s.kind != "ladle"]
@@ -373,6 +389,7 @@ def main() -> None:
     print(f"CPU: {cpu}\nmodel: {model}\ncases: {', '.join(c.name for c in work)}; rounds: {args.rounds}", flush=True)
     results: list[CaseResult] = []
     info: dict[str, dict] = {s.label: {"commands": [], "errors": []} for s in servers}
+    found: dict[str, list[dict]] = {s.label: [] for s in servers}
     for rnd in range(args.rounds):
         for server in servers:
             print(f"round {rnd + 1}/{args.rounds}: {server.label}", flush=True)
@@ -384,6 +401,9 @@ def main() -> None:
                                     args.start_timeout) as base:
                     info[server.label]["version"] = version_of(base)
                     results += asyncio.run(bench_server(base, server, rnd, work, args.request_timeout))
+                    if args.goodput:
+                        found[server.label].append(peer_goodput.search(base, server.label, rnd, search_spec, logs,
+                                                                       args.request_timeout * 10))
             except RuntimeError as e:
                 print(f"  {server.label} round {rnd + 1} failed: {e}", flush=True)
                 info[server.label]["errors"].append(str(e)[-2000:])
@@ -391,10 +411,18 @@ def main() -> None:
     print(f"\nCPU: {cpu}; model: Qwen2 0.5B shape (random, vocab 49152); 256-token prompts unless noted, "
           f"64 output tokens, greedy, ignore_eos; median of {args.rounds} round(s)")
     print_report(table, work)
+    goodput = None
+    if args.goodput:
+        goodput = peer_goodput.table(found)
+        peer_goodput.print_table(goodput, search_spec)
+        png = args.result_dir / f"serve_vs_peers-goodput-{stamp}.png"
+        peer_goodput.plot(found, search_spec, png)
+        print(f"\nplot written to {png}")
     out = args.result_dir / f"serve_vs_peers-{stamp}.json"
     out.write_text(json.dumps({"cpu": cpu, "model": str(model), "model_shape": QWEN2_05B_SHAPE, "args": vars(args),
                                "cases": [asdict(c) for c in work], "servers": info, "medians": table,
-                               "results": [asdict(r) for r in results]}, indent=2, default=str))
+                               "results": [asdict(r) for r in results], "goodput_slo": asdict(search_spec),
+                               "goodput": goodput, "goodput_searches": found}, indent=2, default=str))
     print(f"\nsaved {out}")
 
 

@@ -60,7 +60,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "until SLO attainment misses --attainment, then bisect to within 10%% (a concurrency: "
                             "to adjacent ones) and report the highest load that meets it (GuideLLM's profile)")
     sweep.add_argument("--attainment", type=float, default=0.95,
-                       help="--search goodput: the share of requests that must meet every SLO")
+                       help="--search goodput: the share of requests that must meet every SLO (its doublings "
+                            "stop at --start x 2^(--max-steps - 1))")
 
     voice = sub.add_parser("voice", help="replay voice-agent turn scripts in real time: wait for the end of "
                                          "turn vs eager drafts")
@@ -410,7 +411,8 @@ async def _goodput_search(args: argparse.Namespace, info: TargetInfo, make_reque
                           percentiles: list[float], slo: dict[str, float], reset) -> int:
     from ladle.bench.goodput_search import GoodputSearch, search_goodput
 
-    spec = GoodputSearch(by=args.by, start=args.start, attainment=args.attainment)
+    spec = GoodputSearch(by=args.by, start=args.start, attainment=args.attainment,
+                         max_load=args.start * 2 ** (args.max_steps - 1))
     found = await search_goodput(info.target, make_requests, spec, base, percentiles, slo,
                                  progress=not args.disable_tqdm, log=lambda line: print(line, flush=True),
                                  before_step=reset)

@@ -1,0 +1,105 @@
+"""serve_vs_peers.py's goodput view: for each server, the highest concurrency and the highest request
+rate at which the SLO holds for --attainment of the requests (`ladle bench sweep --search goodput`, an
+HTTP tool, so any server), with warm-ups discarded, servers in turn within each round; the table holds
+the median over rounds, and a PNG one attainment curve per server and axis.
+
+The SLO is stated with the figures: by default TTFT <= 2 s and TPOT <= 100 ms for 99% of the requests,
+for the 0.4B-shaped model on 2 cores.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+AXES = ("concurrency", "rate")
+
+
+@dataclass(frozen=True)
+class SearchSpec:
+    slo: str = "ttft:2000,tpot:100"
+    attainment: float = 0.99
+    num_prompts: int = 24
+    prompt_len: int = 256
+    output_len: int = 32
+    warmups: int = 2
+    max_steps: int = 10  # doublings from load 1 the search may take
+
+
+def search(base: str, label: str, rnd: int, spec: SearchSpec, logs: Path, timeout_s: float) -> dict[str, dict]:
+    """Both searches against the server at `base`; returns each axis's result JSON."""
+    out = {}
+    for axis in AXES:
+        name = f"goodput-{label.replace(':', '-')}-{axis}-r{rnd + 1}.json"
+        cmd = [sys.executable, "-m", "ladle.cli", "bench", "sweep", "--search", "goodput", "--by", axis,
+               "--base-url", base, "--goodput", spec.slo, "--attainment", str(spec.attainment),
+               "--num-prompts", str(spec.num_prompts), "--random-input-len", str(spec.prompt_len),
+               "--random-output-len", str(spec.output_len), "--num-warmups", str(spec.warmups),
+               "--max-steps", str(spec.max_steps), "--temperature", "0", "--no-plot", "--disable-tqdm",
+               "--result-dir", str(logs),
+               "--result-filename", name]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+        if done.returncode not in (0, 1) or not (logs / name).is_file():  # 1: even the lowest load missed
+            raise RuntimeError(f"goodput search by {axis} failed: {done.stderr[-1000:]}")
+        out[axis] = json.loads((logs / name).read_text())
+        best = out[axis]["best"]
+        print(f"  [{label} round {rnd + 1}] goodput search by {axis}: "
+              f"{'none' if best is None else format(best['load'], 'g')}", flush=True)
+    return out
+
+
+def table(found: dict[str, list[dict[str, dict]]]) -> dict[str, dict[str, float | None]]:
+    """server -> the median over rounds of each axis's best load and its goodput in tok/s."""
+    rows = {}
+    for label, rounds in found.items():
+        row: dict[str, float | None] = {}
+        for axis in AXES:
+            bests = [r[axis]["best"] for r in rounds if axis in r]
+            loads = [b["load"] if b else 0.0 for b in bests]
+            row[axis] = statistics.median(loads) if loads else None
+            row[f"{axis}_tok_s"] = statistics.median(b["goodput_tok_s"] if b else 0.0 for b in bests) if bests \
+                else None
+        rows[label] = row
+    return rows
+
+
+def print_table(rows: dict[str, dict[str, float | None]], spec: SearchSpec) -> None:
+    print(f"\ngoodput: the highest load at which {spec.attainment:.0%} of requests meet {spec.slo} "
+          f"(ms; {spec.prompt_len}-token prompts, {spec.output_len} output tokens, {spec.warmups} warm-ups "
+          f"discarded)\n")
+    print("| server | max concurrency | goodput there (tok/s) | max request rate (req/s) | goodput there (tok/s) |")
+    print("| --- | --- | --- | --- | --- |")
+    for label, row in rows.items():
+        cells = [_cell(row.get(k), ".0f" if k == "concurrency" else ".1f")
+                 for k in ("concurrency", "concurrency_tok_s", "rate", "rate_tok_s")]
+        print(f"| {label} | " + " | ".join(cells) + " |")
+
+
+def _cell(value: float | None, spec: str) -> str:
+    return "failed" if value is None else format(value, spec)
+
+
+def plot(found: dict[str, list[dict[str, dict]]], spec: SearchSpec, path: Path) -> None:
+    """Attainment against load, one curve per server (its first round), a panel per axis."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(11, 4.5), layout="constrained")
+    FigureCanvasAgg(fig)
+    for ax, axis in zip(fig.subplots(1, 2), AXES):
+        for label, rounds in found.items():
+            if rounds and axis in rounds[0]:
+                steps = rounds[0][axis]["steps"]
+                ax.plot([s["load"] for s in steps], [100 * s["attainment"] for s in steps], "o-", label=label)
+        ax.axhline(100 * spec.attainment, color="gray", linestyle="--", label=f"target {spec.attainment:.0%}")
+        ax.set_xlabel("max concurrency" if axis == "concurrency" else "request rate (req/s)")
+        ax.set_ylabel(f"% of requests meeting {spec.slo}")
+        ax.set_ylim(0, 105)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle("Goodput knee per server")
+    fig.savefig(str(path), dpi=100)
