@@ -178,3 +178,62 @@ def test_hits_through_hollow_blocks_match_transformers_and_score_the_same_bits(m
     got = llm.generate([question(llm, text, 0)], score)[0].outputs[0].label_logprobs
     assert kv.stats.hits - hits > 8 * WINDOW and got == want
     assert kv.num_free_blocks == kv.num_blocks
+
+
+def test_random_traffic_keeps_the_books_straight() -> None:
+    """Prompts sharing random prefixes, computed in random chunks, some freed mid-way (preempted), some
+    finished, under a pool small enough that the tree evicts and hollows all the time. After every
+    operation: each block is free, cached or referenced, and counted once; every block a sequence's
+    window reads is held; and at the end the pool is back at its baseline."""
+    import random
+
+    rng = random.Random(0)
+    kv = KVCacheManager(num_blocks=40, block_size=BS, window=WINDOW)
+    stems = [[rng.randrange(1000) for _ in range(rng.randrange(4, 40))] for _ in range(5)]
+    running: list[Sequence] = []
+
+    def check() -> None:
+        referenced = {b for b, c in enumerate(kv.pool.ref_counts) if c > 0}
+        cached = {b for b in kv.cache.by_block if kv.pool.ref_counts[b] == 0}
+        free = set(kv.pool.free_ids)
+        assert len(free) == len(kv.pool.free_ids), "a block is on the free list twice"
+        assert not (free & referenced) and not (free & cached) and len(free | referenced | cached) == kv.num_blocks
+        assert kv.num_cached_unreferenced == len(cached) and set(kv.cache.evictable) == cached
+        for s in running:
+            live = s.block_table[kv.first_needed_block(s.num_computed_tokens) :]
+            assert all(b != HOLLOW and kv.pool.ref_counts[b] > 0 for b in live)
+            released = sum(b == HOLLOW for b in s.block_table)
+            assert all(b == HOLLOW for b in s.block_table[:released])  # the released blocks lead the table
+
+    for step in range(400):
+        action = rng.random()
+        if action < 0.35 or not running:
+            tokens = rng.choice(stems) + [rng.randrange(1000) for _ in range(rng.randrange(1, 60))]
+            s = seq(tokens)
+            kv.match_prefix(s)
+            running.append(s)
+        elif action < 0.85:
+            s = rng.choice(running)
+            left = s.num_tokens - s.num_computed_tokens
+            if left == 0:
+                s.token_ids.append(rng.randrange(1000))  # a generated token
+                left = 1
+            n = min(left, rng.randrange(1, 12))
+            kv.release_out_of_window(s)
+            if kv.allocate_slots(s, n):
+                s.num_computed_tokens += n
+                kv.cache_full_blocks(s)
+            else:  # preempted: back to nothing, recomputed later from whatever the cache still has
+                kv.free(s)
+                s.num_computed_tokens = 0
+                kv.match_prefix(s)
+        else:
+            s = running.pop(rng.randrange(len(running)))
+            kv.free(s, keep_partial=True)
+        check()
+    for s in running:
+        kv.free(s, keep_partial=True)
+    running.clear()
+    check()
+    assert_baseline(kv)
+    assert kv.stats.evictions > 20  # the pool was tight: the tree evicted and hollowed throughout
