@@ -347,3 +347,66 @@ def test_prefill_failure_falls_back_to_decode_recomputing(workers) -> None:
         sdk(url).chat.completions.create(model=MODEL, messages=messages, max_tokens=2, n=2, **GREEDY)
         assert scrape(url)["ladle_router_pd_prefill_seconds_count"] == 1  # n > 1: no prefill hop
         assert {w["role"] for w in httpx.get(f"{url}/workers").json()} == {"prefill", "decode"}
+
+
+def test_streams_on_a_killed_worker_end_in_an_error_the_sdk_raises(workers) -> None:
+    """8 long streams over two workers, one worker SIGKILLed while they run: its streams end in an error
+    event (never [DONE]) and the SDK raises; the other worker's finish with [DONE]; the next requests
+    succeed; and the router counts the broken streams."""
+    import concurrent.futures
+    import threading
+
+    [doomed] = start_workers(1)
+    try:
+        with router([doomed.url, workers[0].url], policy="round_robin", health_check_interval=600) as url:
+            client = sdk(url)
+            first_token = threading.Barrier(9)
+
+            def stream(i: int) -> str:
+                chunks = client.chat.completions.create(
+                    model=MODEL, messages=[{"role": "user", "content": f"Story {i}: tell me a long story."}],
+                    max_tokens=400, stream=True, extra_body={"ignore_eos": True}, **GREEDY)
+                try:
+                    for n, _ in enumerate(chunks):
+                        if n == 2:
+                            first_token.wait(timeout=120)
+                    return "done"
+                except openai.APIError as e:
+                    return f"raised: {e}"
+
+            with concurrent.futures.ThreadPoolExecutor(8) as pool:
+                futures = [pool.submit(stream, i) for i in range(8)]
+                first_token.wait(timeout=120)  # every stream is under way
+                doomed.proc.kill()
+                outcomes = [f.result(timeout=300) for f in futures]
+            raised = [o for o in outcomes if o.startswith("raised")]
+            assert len(raised) == 4 and outcomes.count("done") == 4, outcomes
+            assert all("failed mid-way" in o or "without its last event" in o for o in raised), raised
+            for i in range(3):  # the router took the dead worker out: these go to the live one
+                assert complete(url, f"After {i}", max_tokens=2).status_code == 200
+            failed = sum(v for k, v in scrape(url).items() if k.startswith("ladle_router_streams_failed_total"))
+            assert failed == 4
+    finally:
+        doomed.stop()
+
+
+def test_a_raw_broken_stream_has_no_done_and_ends_in_an_error_event(workers) -> None:
+    """The bytes themselves: a stream whose worker dies carries no `data: [DONE]`, and its last event is
+    an error in OpenAI's shape."""
+    [doomed] = start_workers(1)
+    try:
+        with router([doomed.url], health_check_interval=600) as url:
+            body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True,
+                    "stream": True, **GREEDY}
+            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
+                lines = []
+                for line in r.iter_lines():
+                    lines.append(line)
+                    if len(lines) == 6:
+                        doomed.proc.kill()
+            events = [line for line in lines if line.startswith("data: ")]
+            assert "data: [DONE]" not in events
+            last = json.loads(events[-1][len("data: "):])
+            assert last["error"]["code"] == "worker_failed" and last["error"]["type"] == "server_error"
+    finally:
+        doomed.stop()

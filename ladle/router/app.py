@@ -50,7 +50,8 @@ def _lifespan(state: RouterState):
         async with httpx.AsyncClient(limits=limits, timeout=30.0) as client:
             state.client = client
             state.forwarder = Forwarder(state.pool, client, state.config.max_retries, state.config.request_timeout,
-                                        on_retry=state.metrics.retries.inc)
+                                        on_retry=state.metrics.retries.inc,
+                                        on_broken_stream=state.metrics.count_broken_stream)
             await state.pool.check_all(client, timeout=1.0)
             state.tasks = [asyncio.create_task(state.pool.health_loop(client, state.config.health_check_interval))]
             state.tasks += [asyncio.create_task(follow(client, url, view)) for url, view in state.views.items()]

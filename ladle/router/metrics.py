@@ -31,6 +31,9 @@ class RouterMetrics:
                                ["worker"], registry=r)
         self.retries = Counter("ladle_router_retries", "Requests sent again to another worker after a failure.",
                                registry=r)
+        self.broken_streams = Counter("ladle_router_streams_failed", "Streams that broke off after their first "
+                                      "byte (never retried): they ended in an error event, by reason.", ["reason"],
+                                      registry=r)
         self.worker_failures = Counter("ladle_router_worker_failures",
                                        "Requests that failed to connect or got a 5xx, by worker.", ["worker"],
                                        registry=r)
@@ -40,6 +43,9 @@ class RouterMetrics:
         self.pd_fallbacks = Counter("ladle_router_pd_fallbacks", "Decode hops sent without KV transfer params "
                                     "(the prefill hop failed or exported nothing): the decode worker recomputes.",
                                     registry=r)
+
+    def count_broken_stream(self, reason: str) -> None:
+        self.broken_streams.labels(reason).inc()
 
     def exposition(self) -> bytes:
         from prometheus_client import generate_latest

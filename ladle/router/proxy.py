@@ -3,8 +3,9 @@
 A request that cannot connect, or gets a 5xx, or breaks while its (non-streamed) reply is read,
 goes to another worker, up to max_retries times, and the worker that failed gets no traffic
 until its next good health check. A text/event-stream reply is passed on chunk by chunk; once
-it started, a failure ends it (the client has bytes already). A client that hangs up closes the
-upstream stream, so the worker aborts the request.
+it started, it is never retried (the client has bytes already): a stream the worker breaks off,
+or ends without its last event, ends in an error event (ladle.router.stream_end), counted by
+reason. A client that hangs up closes the upstream stream, so the worker aborts the request.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import httpx
 from starlette.background import BackgroundTask
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from ladle.router.stream_end import StreamEnd
 from ladle.router.workers import Worker, WorkerPool
 
 # never forwarded either way: they describe one connection, not the message
@@ -45,6 +47,7 @@ class Forwarder:
     max_retries: int
     read_timeout: float
     on_retry: Callable[[], None] = lambda: None
+    on_broken_stream: Callable[[str], None] = lambda reason: None  # a stream that ended in an error event
 
     async def forward(self, out: Outgoing, role: str, pick: Picker, observe: Observer | None = None,
                       pinned: str | None = None) -> Response:
@@ -84,7 +87,7 @@ class Forwarder:
                 if not last_try:
                     raise _Retry
             if is_event_stream(upstream):
-                return self._stream(worker, upstream, observe)
+                return self._stream(worker, upstream, observe, responses=out.path.startswith("/v1/responses"))
             content = b"".join([chunk async for chunk in upstream.aiter_raw()])
         except (httpx.HTTPError, _Retry) as e:
             if upstream is not None:
@@ -99,7 +102,8 @@ class Forwarder:
             observe(worker, _json_or_none(content))
         return Response(content, status_code=upstream.status_code, headers=reply_headers(upstream))
 
-    def _stream(self, worker: Worker, upstream: httpx.Response, observe: Observer | None) -> StreamingResponse:
+    def _stream(self, worker: Worker, upstream: httpx.Response, observe: Observer | None,
+                responses: bool) -> StreamingResponse:
         done = False
 
         async def close() -> None:  # after the last chunk, a failure, or the client hanging up
@@ -112,15 +116,25 @@ class Forwarder:
 
         async def chunks() -> AsyncIterator[bytes]:
             first = FirstEvent(worker, observe) if observe is not None else None
+            end = StreamEnd(responses)
+            broken = None
             try:
                 async for chunk in upstream.aiter_raw():
                     if first is not None:
                         first.feed(chunk)
+                    end.feed(chunk)
                     yield chunk
-            except httpx.HTTPError:
-                pass  # bytes went out already: end the stream, no retry
+            except httpx.HTTPError as e:  # bytes went out already: no retry, an error event instead
+                broken = "worker_disconnected"
+                self.pool.mark_failed(worker)
+                message = f"the worker serving this stream failed mid-way ({type(e).__name__})"
             finally:
                 await close()
+            if broken is None and not end.ended:
+                broken, message = "ended_without_done", "the worker ended this stream without its last event"
+            if broken is not None:
+                self.on_broken_stream(broken)
+                yield end.failure_event(message)
 
         return StreamingResponse(chunks(), status_code=upstream.status_code, headers=reply_headers(upstream),
                                  background=BackgroundTask(close))
