@@ -82,7 +82,7 @@ HARMONY_TEMPLATE = """
 
 def build_tiny_model(kind: str, out: Path, tokenizer_from: Path, seed: int = 0, **config_overrides) -> Path:
     """Save a small random model of `kind` ("llama", "llama3-rope", "qwen2", "qwen3", "mistral", "gemma3",
-    "gemma3-vision", "gemma4", "qwen2_moe", "qwen3_moe", "mixtral" or "gpt_oss")
+    "gemma3-vision", "gemma4", "gemma4-vision", "qwen2_moe", "qwen3_moe", "mixtral" or "gpt_oss")
     with a real tokenizer; `config_overrides` go to the transformers config.
 
     Weights are drawn with a wide init so next-token logits are peaked: greedy
@@ -147,8 +147,8 @@ def build_tiny_model(kind: str, out: Path, tokenizer_from: Path, seed: int = 0, 
             for name, param in model.named_parameters():
                 if name.endswith("norm.weight"):
                     param.uniform_(-0.6, 0.6)
-    elif kind == "gemma4":
-        model = _tiny_gemma4(common, config_overrides)
+    elif kind in ("gemma4", "gemma4-vision"):
+        model = _tiny_gemma4(common, config_overrides, with_vision=kind == "gemma4-vision")
     elif kind == "gpt_oss":
         # windowed and global layers alternating, 4 experts (top 2) with biases and the clamped SwiGLU,
         # YaRN over a trained context of 64 positions, and a sink per head
@@ -202,21 +202,39 @@ def build_tiny_model(kind: str, out: Path, tokenizer_from: Path, seed: int = 0, 
     return out
 
 
-def _tiny_gemma4(common: dict, overrides: dict):
-    """A Gemma 4 text model: windowed and global layers alternating (the global ones with proportional RoPE),
-    logits soft-capped, norm weights spread around 1 (Gemma 4 multiplies by the weight, not 1 + weight) and
-    each layer's output scalar drawn, so that each departure from Gemma 3 shows."""
-    from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+def _tiny_gemma4(common: dict, overrides: dict, with_vision: bool = False):
+    """A Gemma 4 text model: windowed and global layers alternating, the global ones with proportional RoPE,
+    wider heads, one KV head and their values taken from the keys (attention_k_eq_v); the last two layers
+    reading the K/V of the two before them (num_kv_shared_layers), with MLPs twice as wide; a per-layer
+    embedding of 16 per token and layer (hidden_size_per_layer_input, as the E2B and E4B); logits
+    soft-capped, norm weights spread around 1 (Gemma 4 multiplies by the weight, not 1 + weight) and each
+    layer's output scalar drawn, so that each departure from Gemma 3 shows. with_vision: the image-and-text
+    checkpoint, a small vision tower and its projector beside the same language model. With enable_moe_block
+    (and num_experts, top_k_experts, moe_intermediate_size) its router and scales are drawn wide too."""
+    from transformers import (
+        Gemma4Config, Gemma4ForCausalLM, Gemma4ForConditionalGeneration, Gemma4TextConfig, Gemma4VisionConfig,
+    )
 
-    defaults = {"head_dim": 32, "global_head_dim": 32, "sliding_window": 8, "final_logit_softcapping": 30.0,
-                "hidden_size_per_layer_input": 0, "num_hidden_layers": 4,
-                "layer_types": ["sliding_attention", "full_attention"] * (overrides.get("num_hidden_layers", 4) // 2)}
-    model = Gemma4ForCausalLM(Gemma4TextConfig(**{**common, **defaults, **overrides}))
+    defaults = {"head_dim": 32, "global_head_dim": 64, "num_global_key_value_heads": 1, "attention_k_eq_v": True,
+                "sliding_window": 8, "final_logit_softcapping": 30.0, "hidden_size_per_layer_input": 16,
+                "vocab_size_per_layer_input": common["vocab_size"],
+                "num_hidden_layers": 6, "num_kv_shared_layers": 2, "use_double_wide_mlp": True,
+                "layer_types": ["sliding_attention", "full_attention"] * (overrides.get("num_hidden_layers", 6) // 2)}
+    text = Gemma4TextConfig(**{**common, **defaults, **overrides})
+    if with_vision:
+        vision = Gemma4VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                    num_key_value_heads=2, head_dim=16)
+        model = Gemma4ForConditionalGeneration(Gemma4Config(text_config=text.to_dict(), vision_config=vision.to_dict(),
+                                                            audio_config=None))
+    else:
+        model = Gemma4ForCausalLM(text)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
+            if name.endswith("norm.weight") or name.endswith(("router.scale", "per_expert_scale")):
                 param.uniform_(0.4, 1.6)
-        for layer in model.model.layers:
+            elif name.endswith("router.proj.weight"):
+                param.normal_(0, 1.0)
+        for layer in (model.model.language_model if with_vision else model.model).layers:
             layer.layer_scalar.uniform_(0.5, 1.5)
     return model
 

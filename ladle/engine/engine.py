@@ -145,6 +145,8 @@ class LLMEngine:
             raise ValueError("enable_expert_parallel (--enable-expert-parallel) needs a mixture-of-experts model")
         if c.enable_lora and self.model_config.moe is not None:
             raise ValueError("LoRA adapters on mixture-of-experts models are not supported yet")
+        if c.enable_lora and self.model_config.model_type == "gemma4_text":
+            raise ValueError("LoRA adapters on Gemma 4 models are not supported yet")
         if c.tensor_parallel_size == 1:
             return None
         from ladle.distributed.tensor_parallel import RankSpec
@@ -287,8 +289,8 @@ class LLMEngine:
     def _bytes_per_block(self) -> int:
         c = self.model_config
         kv_heads = c.num_key_value_heads // self.config.tensor_parallel_size  # the pool is per rank
-        return KVCache.bytes_per_block(c.num_hidden_layers, self.config.block_size, max(1, kv_heads), c.head_dim,
-                                       self.kv_dtype)
+        return KVCache.bytes_per_block(c.num_kv_layers, self.config.block_size, max(1, kv_heads), c.head_dim,
+                                       self.kv_dtype, c.cache_layer_shapes)
 
     def _weights(self, folder) -> dict:
         """The model's weights where the platform computes with them (random ones for --load-format dummy)."""

@@ -66,8 +66,8 @@ class ModelRunner:
 
     def _new_kv_cache(self, num_blocks: int) -> KVCache:
         c = self.cfg
-        return KVCache(c.num_hidden_layers, num_blocks, self.block_size, c.num_key_value_heads, c.head_dim,
-                       dtype=self.kv_dtype, device=self.device)
+        return KVCache(c.num_kv_layers, num_blocks, self.block_size, c.num_key_value_heads, c.head_dim,
+                       dtype=self.kv_dtype, device=self.device, layer_shapes=c.cache_layer_shapes)
 
     def _attention_backend(self):
         c = self.cfg

@@ -112,43 +112,97 @@ class AttentionBackend(Protocol):
                sinks: torch.Tensor | None = None) -> torch.Tensor: ...
 
 
+class LayerViews:
+    """Layers held in several stacked tensors, one per attention shape, read by layer as one stacked
+    tensor is: views[layer] is that layer's [blocks, block_size, kv_heads, head_dim] (contiguous)."""
+
+    def __init__(self, stacks: list[torch.Tensor], places: list[tuple[int, int]]):
+        self.stacks = stacks
+        self._views = [stacks[group][index] for group, index in places]
+
+    def __getitem__(self, layer: int) -> torch.Tensor:
+        return self._views[layer]
+
+    def __len__(self) -> int:
+        return len(self._views)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.stacks[0].dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.stacks[0].device
+
+    @property
+    def is_cpu(self) -> bool:
+        return self.stacks[0].is_cpu
+
+
 class KVCache:
     """Preallocated K and V storage: [layers, blocks, block_size, kv_heads, head_dim] each.
 
     An 8-bit cache (int8 or fp8 e4m3, ladle.model.kv_quant) also holds a float32 scale per
     slot and KV head: k_scale, v_scale [layers, blocks, block_size, kv_heads].
+
+    Layers of different shapes (layer_shapes: each layer's (kv_heads, head_dim), Gemma 4's) are
+    stacked by shape: k, v and the scales are then LayerViews, still indexed by layer.
     """
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
-        shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
-        self.k = _zeros(shape, dtype, device)
-        self.v = _zeros(shape, dtype, device)
-        self.k_scale = self.v_scale = None
-        if kv_quant.is_8bit(dtype):
-            self.k_scale = _zeros(shape[:-1], torch.float32, device)
-            self.v_scale = _zeros(shape[:-1], torch.float32, device)
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                 layer_shapes: tuple[tuple[int, int], ...] = ()):
         self.block_size = block_size
+        shapes = list(layer_shapes) or [(num_kv_heads, head_dim)] * num_layers
+        groups = list(dict.fromkeys(shapes))  # the distinct shapes, in order of first use
+        quantized = kv_quant.is_8bit(dtype)
+        self.k_scale = self.v_scale = None
+        if len(groups) == 1:
+            shape = (num_layers, num_blocks, block_size, *groups[0])
+            self.k, self.v = _zeros(shape, dtype, device), _zeros(shape, dtype, device)
+            if quantized:
+                self.k_scale = _zeros(shape[:-1], torch.float32, device)
+                self.v_scale = _zeros(shape[:-1], torch.float32, device)
+            return
+        places = [(groups.index(shape), shapes[:layer].count(shape)) for layer, shape in enumerate(shapes)]
+
+        def stacked(with_head_dim: bool, of: torch.dtype) -> LayerViews:
+            return LayerViews([_zeros((shapes.count(g), num_blocks, block_size, *(g if with_head_dim else g[:1])), of,
+                                      device) for g in groups], places)
+
+        self.k, self.v = stacked(True, dtype), stacked(True, dtype)
+        if quantized:
+            self.k_scale, self.v_scale = stacked(False, torch.float32), stacked(False, torch.float32)
 
     @property
     def quantized(self) -> bool:
         return self.k_scale is not None
 
     def tensors(self) -> list[torch.Tensor]:
-        """Everything held per slot, layer first: K, V and an 8-bit cache's scales."""
-        return [self.k, self.v] + ([self.k_scale, self.v_scale] if self.quantized else [])
+        """Everything held per slot, layer first: K, V and an 8-bit cache's scales (each stack of a cache
+        whose layers differ in shape)."""
+        held = [self.k, self.v] + ([self.k_scale, self.v_scale] if self.quantized else [])
+        return [s for t in held for s in (t.stacks if isinstance(t, LayerViews) else [t])]
 
     def copy_prefix(self, src: int, dst: int, num_tokens: int, layer: int | None = None) -> None:
         """The first num_tokens slots of block src into block dst, in one layer or every layer."""
-        layers = slice(None) if layer is None else layer
-        for t in self.tensors():
-            t[layers, dst, :num_tokens] = t[layers, src, :num_tokens]
+        if layer is None:
+            for t in self.tensors():
+                t[:, dst, :num_tokens] = t[:, src, :num_tokens]
+            return
+        for t in [self.k, self.v] + ([self.k_scale, self.v_scale] if self.quantized else []):
+            t[layer][dst, :num_tokens] = t[layer][src, :num_tokens]
+
+    def layer_shape(self, layer: int) -> tuple[int, int]:
+        """Layer's (kv_heads, head_dim)."""
+        return tuple(self.k[layer].shape[-2:])
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
-                        dtype: torch.dtype = torch.float32) -> int:
-        per_head = head_dim * dtype.itemsize + (4 if kv_quant.is_8bit(dtype) else 0)
-        return 2 * num_layers * block_size * num_kv_heads * per_head
+                        dtype: torch.dtype = torch.float32, layer_shapes: tuple[tuple[int, int], ...] = ()) -> int:
+        scale_bytes = 4 if kv_quant.is_8bit(dtype) else 0
+        shapes = layer_shapes or [(num_kv_heads, head_dim)] * num_layers
+        return sum(2 * block_size * heads * (dim * dtype.itemsize + scale_bytes) for heads, dim in shapes)
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.device) -> torch.Tensor:
@@ -199,7 +253,8 @@ class TorchPagedAttention:
 
     windows[layer]: that layer's sliding window (each query attends to its last `window` positions),
     None where it attends to the whole context. scale: what q . k is multiplied by (head_dim^-0.5
-    unless the model says otherwise)."""
+    unless the model says otherwise). Each layer's KV heads and head dim are its cache's
+    (KVCache.layer_shape): Gemma 4's global layers differ from its sliding ones."""
 
     def __init__(self, cache: KVCache, num_heads: int, num_kv_heads: int, head_dim: int,
                  windows: tuple[int | None, ...] = (), scale: float | None = None):
@@ -214,7 +269,8 @@ class TorchPagedAttention:
         self._native_ok = cache.k.dtype in (torch.float32, torch.bfloat16, torch.int8, torch.float8_e4m3fn) \
             and cache.k.is_cpu
         self._decode_kernel_ok = self._native_ok and cache.k.dtype == torch.float32
-        self._prompt_kernel_ok = self._native_ok and head_dim % 8 == 0 and cache.block_size % 8 == 0
+        head_dims = {cache.layer_shape(layer)[1] for layer in range(len(cache.k))}
+        self._prompt_kernel_ok = self._native_ok and all(d % 8 == 0 for d in head_dims) and cache.block_size % 8 == 0
 
     def _native(self, *rows: torch.Tensor) -> kernels.NativeKernels | None:
         """The native kernels, if these [T, heads, D] operands suit them (inner dims contiguous)."""
@@ -248,7 +304,7 @@ class TorchPagedAttention:
         if native is not None:  # a copy per token, where index_copy_ costs several microseconds
             native.write_kv(k, v, self.cache.k[layer], self.cache.v[layer], slots)
             return
-        flat = (-1, self.num_kv_heads, self.head_dim)
+        flat = (-1, *k.shape[1:])
         self.cache.k[layer].view(flat).index_copy_(0, slots, k.to(self.cache.k.dtype))
         self.cache.v[layer].view(flat).index_copy_(0, slots, v.to(self.cache.v.dtype))
 
@@ -259,7 +315,7 @@ class TorchPagedAttention:
         if native is not None:
             native.write_kv_quantized(k, v, c.k[layer], c.v[layer], c.k_scale[layer], c.v_scale[layer], slots)
             return
-        flat = (-1, self.num_kv_heads, self.head_dim)
+        flat = (-1, *k.shape[1:])
         for x, values, scales in ((k, c.k[layer], c.k_scale[layer]), (v, c.v[layer], c.v_scale[layer])):
             q, s = kv_quant.quantize(x, values.dtype)
             values.view(torch.uint8).view(flat).index_copy_(0, slots, q.view(torch.uint8))  # no fp8 index_copy_
@@ -276,7 +332,7 @@ class TorchPagedAttention:
         """q: [T, H, D]; k, v: [T, KVH, D] (this step's tokens, already in the cache). Returns [T, H*D]."""
         if not meta.prefills:  # decodes only: nothing to assemble
             return self._decode(layer, q, meta, sinks)
-        out = torch.empty(q.shape[0], self.num_heads * self.head_dim, dtype=q.dtype, device=q.device)
+        out = torch.empty(q.shape[0], self.num_heads * q.shape[2], dtype=q.dtype, device=q.device)
         if meta.num_decodes:
             out[: meta.num_decodes] = self._decode(layer, q[: meta.num_decodes], meta, sinks)
         native = self._native(q) if meta.canonical is not None and self._prompt_kernel_ok else None
@@ -305,7 +361,7 @@ class TorchPagedAttention:
         blocks = getattr(self.cache, which)[layer].index_select(0, flat)
         if self.cache.quantized:
             blocks = kv_quant.dequantize(blocks, getattr(self.cache, f"{which}_scale")[layer].index_select(0, flat))
-        return blocks.to(dtype).view(*block_table.shape[:-1], -1, self.num_kv_heads, self.head_dim)
+        return blocks.to(dtype).view(*block_table.shape[:-1], -1, *self.cache.layer_shape(layer))
 
     def _decode(self, layer: int, q: torch.Tensor, meta: AttentionMetadata,
                 sinks: torch.Tensor | None = None) -> torch.Tensor:
@@ -314,7 +370,7 @@ class TorchPagedAttention:
             # a decode is a one-row prompt span: the prompt kernel scores 8 keys per pass and
             # runs decode steps about 1.6x faster than the decode kernel (and row-invariant)
             rows = meta.decode_rows
-            out = torch.empty(q.shape[0], self.num_heads * self.head_dim, dtype=torch.float32)
+            out = torch.empty(q.shape[0], self.num_heads * q.shape[2], dtype=torch.float32)
             native.prompt_attention(q.float(), self.cache.k[layer], self.cache.v[layer], rows.block_tables,
                                     rows.row_starts, rows.row_counts, rows.first_positions, self.scale, out,
                                     **self._scales(layer), window=self.window(layer), sinks=sinks)
@@ -323,15 +379,16 @@ class TorchPagedAttention:
             return native.decode_attention(q, self.cache.k[layer], self.cache.v[layer], meta.decode_block_tables,
                                            meta.decode_context_lens, self.scale, self.window(layer), sinks)
         b = q.shape[0]
-        group = self.num_heads // self.num_kv_heads
+        kv_heads, head_dim = self.cache.layer_shape(layer)
+        group = self.num_heads // kv_heads
         # Grouped-query trick: the heads sharing one KV head attend as a group, so K/V
         # are never repeated.
-        qg = q.view(b, self.num_kv_heads, group, self.head_dim)
+        qg = q.view(b, kv_heads, group, head_dim)
         k = self._gather(layer, "k", meta.decode_block_tables, q.dtype).transpose(1, 2)
         v = self._gather(layer, "v", meta.decode_block_tables, q.dtype).transpose(1, 2)
-        group_sinks = None if sinks is None else sinks.view(1, self.num_kv_heads, group, 1)
+        group_sinks = None if sinks is None else sinks.view(1, kv_heads, group, 1)
         o = sdpa_with_sinks(qg, k, v, meta.backend_data[self.window(layer)], group_sinks, scale=self.scale)
-        return o.reshape(b, self.num_heads * self.head_dim)
+        return o.reshape(b, self.num_heads * head_dim)
 
     def _prefill(self, layer: int, span: PrefillSpan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  sinks: torch.Tensor | None = None) -> torch.Tensor:
@@ -354,7 +411,7 @@ class TorchPagedAttention:
         vs = vs.transpose(0, 1).unsqueeze(0)
         head_sinks = None if sinks is None else sinks.view(1, -1, 1, 1)
         o = sdpa_with_sinks(qs, ks, vs, mask, head_sinks, is_causal=causal, enable_gqa=True, scale=self.scale)
-        return o[0].transpose(0, 1).reshape(n, self.num_heads * self.head_dim)
+        return o[0].transpose(0, 1).reshape(n, self.num_heads * q.shape[2])
 
     def _tiles(self, layer: int, span: PrefillSpan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                sinks: torch.Tensor | None = None) -> torch.Tensor:
@@ -382,6 +439,6 @@ class TorchPagedAttention:
                                 seen, None if sinks is None else sinks.view(1, -1, 1, 1), enable_gqa=True,
                                 scale=self.scale)
             o = o[0, :, pos - tile_start :].transpose(0, 1)
-            out.append(o.reshape(tile_end - pos, self.num_heads * self.head_dim))
+            out.append(o.reshape(tile_end - pos, self.num_heads * q.shape[2]))
             pos = tile_end
         return torch.cat(out)

@@ -10,8 +10,6 @@ from typing import Any
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "qwen2_moe", "qwen3_moe", "mixtral", "gemma3_text",
                            "gemma4_text", "gpt_oss")
 GEMMA_ARCHITECTURES = ("gemma3_text", "gemma4_text")
-# Gemma 4's parts ladle does not compute yet: refused by name at load, never served without them
-GEMMA4_UNSUPPORTED = ("hidden_size_per_layer_input", "num_kv_shared_layers", "enable_moe_block", "attention_k_eq_v")
 MOE_ARCHITECTURES = ("qwen2_moe", "qwen3_moe", "mixtral", "gpt_oss")
 
 
@@ -35,6 +33,9 @@ class MoEConfig:
     def from_hf_dict(cls, d: dict[str, Any], model_type: str, num_layers: int) -> "MoEConfig":
         # transformers 5 names the count num_local_experts for Qwen3-MoE too
         num_experts = d.get("num_experts") or d["num_local_experts"]
+        if model_type == "gemma4_text":  # every layer, its experts beside a dense MLP (ladle.model.moe)
+            return cls(num_experts, d["top_k_experts"], d["moe_intermediate_size"], True,
+                       sparse_layers=frozenset(range(num_layers)))
         if model_type == "gpt_oss":
             return cls(num_experts, d["num_experts_per_tok"], d["intermediate_size"], True,
                        sparse_layers=frozenset(range(num_layers)), biases=True, softmax_of_top_k=True,
@@ -59,13 +60,22 @@ class GemmaConfig:
     Gemma 4 (version 4) departs from it: its norms multiply by the weight itself, the values are normed
     (without a scale) as the keys are, q . k is not scaled (query_pre_attn_scalar 1), each layer's output
     is multiplied by its layer_scalar, the logits may be soft-capped, and the global layers' RoPE is
-    "proportional" (rope_scaling)."""
+    "proportional" (rope_scaling). Its global layers may have wider heads and fewer KV heads
+    (ModelConfig.layer_attention_shapes), and take their values from the key projection (attention_k_eq_v).
+    Its last num_kv_shared_layers layers compute no K/V: each attends over those of the last earlier layer of
+    its kind (kv_sources), and holds no cache of its own. Its small models add a per-layer embedding of each
+    token to each layer's output (per_layer_input_size: hidden_size_per_layer_input); its 26B-A4B runs experts
+    beside each layer's dense MLP (enable_moe_block: ModelConfig.moe, ladle.model.moe.Gemma4MoEBlock)."""
 
     query_pre_attn_scalar: float
     local_rope_theta: float
     local_rope_scaling: dict[str, Any] | None = None
     version: int = 3
     final_logit_softcapping: float | None = None  # logits become tanh(logits / cap) * cap
+    full_layers: frozenset[int] | None = None  # Gemma 4: the global layers (None: those without a window)
+    attention_k_eq_v: bool = False  # Gemma 4: the global layers' V is their K projection (before k_norm and RoPE)
+    kv_sources: dict[int, int] = field(default_factory=dict)  # Gemma 4: shared layer -> the layer whose K/V it reads
+    per_layer_input_size: int = 0  # Gemma 4: the width of each layer's per-layer embedding (0: none)
 
     @property
     def norm_offset(self) -> float:
@@ -93,24 +103,19 @@ class GemmaConfig:
     @classmethod
     def _gemma4(cls, d: dict[str, Any], name: str) -> "GemmaConfig":
         """d: a Gemma 4 text config completed by gemma4_text_config."""
-        for unsupported in GEMMA4_UNSUPPORTED:
-            if d.get(unsupported):
-                raise ValueError(f"model {name!r} sets {unsupported}={d[unsupported]}: Gemma 4's {unsupported} "
-                                 "is not supported yet")
-        if d.get("use_bidirectional_attention"):
-            raise ValueError(f"model {name!r} sets use_bidirectional_attention: ladle attends causally only")
+        # "vision" lets image tokens see each other: text alone attends causally, as transformers masks it
+        if d.get("use_bidirectional_attention") == "all":
+            raise ValueError(f"model {name!r} sets use_bidirectional_attention='all': ladle attends causally only")
         if d.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
             raise ValueError(f"model {name!r}: hidden_activation {d['hidden_activation']!r} is not Gemma 4's "
                              "gelu_pytorch_tanh")
-        shapes = set(gemma4_layer_shapes(d))
-        if len(shapes) > 1:
-            raise ValueError(f"model {name!r}: its layers' (num_key_value_heads, head_dim) differ, {sorted(shapes)} "
-                             "(Gemma 4's global_head_dim and num_global_key_value_heads): per-layer head shapes "
-                             "are not supported yet")
         local = d["rope_parameters"]["sliding_attention"]
         cap = d.get("final_logit_softcapping")
+        full = frozenset(i for i, kind in enumerate(d["layer_types"]) if kind == "full_attention")
         return cls(1.0, float(local["rope_theta"]), _rope_scaling(local), version=4,
-                   final_logit_softcapping=None if cap is None else float(cap))
+                   final_logit_softcapping=None if cap is None else float(cap), full_layers=full,
+                   attention_k_eq_v=bool(d.get("attention_k_eq_v")), kv_sources=_gemma4_kv_sources(d, name),
+                   per_layer_input_size=int(d.get("hidden_size_per_layer_input") or 0))
 
 
 def gemma3_text_config(d: dict[str, Any]) -> dict[str, Any]:
@@ -120,6 +125,21 @@ def gemma3_text_config(d: dict[str, Any]) -> dict[str, Any]:
 
     text = Gemma3TextConfig(**{k: v for k, v in d.get("text_config", {}).items() if k != "model_type"}).to_dict()
     return {**text, "model_type": "gemma3_text"}
+
+
+def _gemma4_kv_sources(d: dict[str, Any], name: str) -> dict[int, int]:
+    """Gemma 4's KV sharing, as transformers' kv_sharing_modes reads it: each of the last num_kv_shared_layers
+    layers reads the K/V of the last layer before them of its kind."""
+    kinds, shared = d["layer_types"], d.get("num_kv_shared_layers") or 0
+    first = len(kinds) - shared
+    sources = {}
+    for layer in range(first, len(kinds)):
+        earlier = [i for i in range(first) if kinds[i] == kinds[layer]]
+        if not earlier:
+            raise ValueError(f"model {name!r}: num_kv_shared_layers={shared} leaves no earlier {kinds[layer]} layer "
+                             f"to share its K/V with layer {layer}")
+        sources[layer] = earlier[-1]
+    return sources
 
 
 def gemma4_text_config(d: dict[str, Any]) -> dict[str, Any]:
@@ -175,7 +195,26 @@ class ModelConfig:
     # each layer's sliding window (it attends to the last `window` positions), None where it sees the whole
     # context; empty: no layer has one
     layer_windows: tuple[int | None, ...] = ()
-    gemma: GemmaConfig | None = None  # Gemma 3's departures from Llama
+    gemma: GemmaConfig | None = None  # Gemma 3's and 4's departures from Llama
+    # each layer's (num_key_value_heads, head_dim) where they differ by layer (Gemma 4's global layers);
+    # empty: every layer has the model's
+    layer_attention_shapes: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def num_kv_layers(self) -> int:
+        """How many layers hold K/V in the cache: the first ones (Gemma 4's KV-shared layers, last, hold none)."""
+        return self.num_hidden_layers - (len(self.gemma.kv_sources) if self.gemma is not None else 0)
+
+    @property
+    def cache_layer_shapes(self) -> tuple[tuple[int, int], ...]:
+        """The cache's layers' (num_key_value_heads, head_dim) where they differ by layer; empty: one shape."""
+        return self.layer_attention_shapes[: self.num_kv_layers]
+
+    def attention_shape(self, layer: int) -> tuple[int, int]:
+        """Layer's (num_key_value_heads, head_dim)."""
+        if self.layer_attention_shapes:
+            return self.layer_attention_shapes[layer]
+        return self.num_key_value_heads, self.head_dim
 
     @property
     def kv_window(self) -> int | None:
@@ -219,6 +258,10 @@ class ModelConfig:
             scaling = {**scaling, "original_max_position_embeddings": original,
                        "factor": scaling.get("factor") or max_positions / original}
         gemma = GemmaConfig.from_hf_dict(d, name or model_type) if model_type in GEMMA_ARCHITECTURES else None
+        kv_heads, head_dim = d.get("num_key_value_heads") or heads, d.get("head_dim") or d["hidden_size"] // heads
+        shapes = tuple(gemma4_layer_shapes(d)) if model_type == "gemma4_text" else ()
+        if len(set(shapes)) == 1:  # one shape for every layer (global or sliding alike): the model's
+            (kv_heads, head_dim), shapes = shapes[0], ()
         return cls(
             model_type=model_type,
             vocab_size=d["vocab_size"],
@@ -226,8 +269,8 @@ class ModelConfig:
             intermediate_size=d["intermediate_size"],
             num_hidden_layers=d["num_hidden_layers"],
             num_attention_heads=heads,
-            num_key_value_heads=d.get("num_key_value_heads") or heads,
-            head_dim=d.get("head_dim") or d["hidden_size"] // heads,
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
             rope_scaling=scaling,
@@ -241,10 +284,11 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             bos_token_id=d.get("bos_token_id"),
             moe=MoEConfig.from_hf_dict(d, model_type, d["num_hidden_layers"])
-            if model_type in MOE_ARCHITECTURES else None,
+            if model_type in MOE_ARCHITECTURES or (model_type == "gemma4_text" and d.get("enable_moe_block")) else None,
             # a window as long as the longest context changes nothing
             layer_windows=windows if any(w is not None and w < max_positions for w in windows) else (),
             gemma=gemma,
+            layer_attention_shapes=shapes,
         )
 
     @classmethod

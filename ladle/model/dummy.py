@@ -19,6 +19,8 @@ def dummy_weights(cfg: ModelConfig, dtype: torch.dtype, device: torch.device | s
     """A dense Llama-family checkpoint's tensors, by Hugging Face name."""
     if cfg.moe is not None:
         raise ValueError("--load-format dummy builds dense models only (this config is mixture-of-experts)")
+    if cfg.gemma is not None:  # its extra norms, Gemma 4's scalars, per-layer shapes and inputs
+        raise ValueError(f"--load-format dummy builds Llama-shaped models only (this config is {cfg.model_type})")
     gen = torch.Generator(device=device).manual_seed(seed)
     shapes = _shapes(cfg)
     return {name: _norm_weight(shape, dtype, device) if _is_norm(name) else _random(shape, dtype, device, gen)

@@ -1,5 +1,5 @@
-"""Mixture-of-experts MLP (Qwen2-MoE, Qwen3-MoE, Mixtral, gpt-oss): a router picks each token's top k
-experts, the experts' SwiGLU outputs are summed weighted by their probabilities.
+"""Mixture-of-experts MLP (Qwen2-MoE, Qwen3-MoE, Mixtral, gpt-oss, Gemma 4): a router picks each token's
+top k experts, the experts' SwiGLU (Gemma 4: GELU-gated) outputs are summed weighted by their probabilities.
 
 Experts run grouped: the (token, choice) pairs are sorted by expert and each active expert
 takes all its rows in one matmul, never a Python loop over tokens. Under tensor
@@ -18,7 +18,7 @@ import torch
 
 from ladle.model.collectives import Single
 from ladle.model.config import ModelConfig, MoEConfig
-from ladle.model.layers import Linear, silu_and_mul
+from ladle.model.layers import Linear, gelu_tanh_and_mul, rms_norm, silu_and_mul
 from ladle.model.quantization import GroupedWeight
 from ladle.model.sharding import Shard, padded_spans
 
@@ -41,10 +41,14 @@ class Expert:
     gate_up: Linear
     down: Linear
     clamp: tuple[float, float] | None = None  # gpt-oss's clamped SwiGLU: (alpha, limit)
+    gelu: bool = False  # Gemma 4: gelu (tanh) gating
 
     def __call__(self, x: torch.Tensor, inv: bool) -> torch.Tensor:
         gate_up = self.gate_up(x, inv)
-        act = silu_and_mul(gate_up) if self.clamp is None else clamped_swiglu(gate_up, *self.clamp)
+        if self.gelu:
+            act = gelu_tanh_and_mul(gate_up)
+        else:
+            act = silu_and_mul(gate_up) if self.clamp is None else clamped_swiglu(gate_up, *self.clamp)
         return self.down(act, inv)
 
     @property
@@ -147,6 +151,46 @@ class MoEBlock:
         if self.shared is not None:
             out = out + self._shared(x[lo:hi], inv)
         return comm.all_gather_rows(out, [b - a for a, b in spans])
+
+
+@dataclass
+class Gemma4MoEBlock(MoEBlock):
+    """Gemma 4's experts, run beside its dense MLP, on the layer's residual stream: the router reads it normed
+    (without a weight), times its scale and hidden^-0.5, and weighs each chosen expert by the renormalised
+    top-k probability times that expert's own scale; the experts read it through their own norm."""
+
+    router_scale: torch.Tensor | None = None  # [hidden]
+    per_expert_scale: torch.Tensor | None = None  # [num_experts]
+    input_norm: torch.Tensor | None = None  # pre_feedforward_layernorm_2's float32 weight
+    eps: float = 1e-6
+
+    def __call__(self, residual: torch.Tensor, inv: bool) -> torch.Tensor:
+        weights, chosen = self.route(residual, inv)
+        self.tokens_per_expert += torch.bincount(chosen.flatten(), minlength=self.cfg.num_experts)
+        x = rms_norm(residual, self.input_norm, self.eps)
+        tokens = torch.arange(chosen.numel(), device=x.device) // self.cfg.top_k
+        return self._combine(self._run_experts(x, tokens, chosen.flatten(), inv), weights)
+
+    def route(self, residual: torch.Tensor, inv: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        unit = torch.ones(residual.shape[1], device=residual.device)
+        x = rms_norm(residual, unit, self.eps) * self.router_scale * residual.shape[1] ** -0.5
+        probs = torch.softmax(self.router(x, inv).float(), dim=-1)
+        weights, chosen = torch.topk(probs, self.cfg.top_k, dim=-1)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights * self.per_expert_scale[chosen], chosen
+
+
+def load_gemma4_moe_block(w: dict[str, Weight], layer: int, cfg: ModelConfig,
+                          linear: Callable[[Weight, torch.Tensor | None], Linear]) -> Gemma4MoEBlock:
+    """Layer `layer`'s Gemma 4 experts and router, taken out of `w` (one rank holds them all)."""
+    p = f"model.layers.{layer}."
+    gate_up, down = w.pop(p + "experts.gate_up_proj"), w.pop(p + "experts.down_proj")  # [E, 2I, H], [E, H, I]
+    experts = [Expert(linear(gate_up[j].contiguous(), None), linear(down[j].contiguous(), None), gelu=True)
+               for j in range(cfg.moe.num_experts)]
+    return Gemma4MoEBlock(cfg.moe, linear(w.pop(p + "router.proj.weight"), None), experts, 0, None, None, False,
+                          router_scale=w.pop(p + "router.scale"), per_expert_scale=w.pop(p + "router.per_expert_scale"),
+                          # Gemma 4's norms multiply by their weight itself, in float32
+                          input_norm=w.pop(p + "pre_feedforward_layernorm_2.weight").float(), eps=cfg.rms_norm_eps)
 
 
 def _expert_weights(w: dict[str, Weight], prefix: str, j: int, model_type: str) -> tuple[Weight, Weight, Weight]:

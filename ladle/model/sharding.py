@@ -49,6 +49,8 @@ class Shard:
         """Raises ValueError where cfg does not split evenly over world ranks."""
         if self.whole:
             return
+        if cfg.model_type == "gemma4_text":  # its per-layer attention shapes, shared K/V and per-layer inputs
+            raise ValueError("Gemma 4 runs on one rank only for now (no tensor parallel)")
         sizes = {"num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads,
                  "intermediate_size": cfg.intermediate_size}
         if cfg.moe is not None:

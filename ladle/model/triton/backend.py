@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ladle.model.attention import AttentionMetadata, KVCache, padded_block_tables
+from ladle.model.attention import AttentionMetadata, KVCache, LayerViews, padded_block_tables
 from ladle.model.triton.decode_attention import DecodeScratch, choose_num_splits, decode_attention
 from ladle.model.triton.kv_write import write_kv
 from ladle.model.triton.prefill_attention import QueryBlocks, plan_query_blocks, prefill_attention, prefill_config
@@ -48,6 +48,10 @@ class TritonStepData:
 class TritonPagedAttention:
     def __init__(self, cache: KVCache, num_heads: int, num_kv_heads: int, head_dim: int,
                  windows: tuple[int | None, ...] = (), scale: float | None = None):
+        if isinstance(cache.k, LayerViews):
+            raise ValueError("the Triton attention kernels take one K/V shape for every layer, and this model's "
+                             "layers differ (Gemma 4's global_head_dim or num_global_key_value_heads): serve it "
+                             "with --attention-backend torch")
         self.cache = cache
         self.windows = windows
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
