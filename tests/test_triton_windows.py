@@ -21,7 +21,7 @@ from ladle.model.triton.prefill_attention import plan_query_blocks, prefill_atte
 BLOCK = 8
 FLOATS = [pytest.param(torch.float32, id="f32"), pytest.param(torch.float16, id="f16"),
           pytest.param(torch.bfloat16, id="bf16", marks=pytest.mark.cuda)]
-WINDOWS = [5, 16, 40]  # inside one 16-key tile, exactly one tile, several tiles
+WINDOWS = [5, 40]  # inside one 16-key tile, several tiles
 
 
 def reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: list[int], scale: float,
@@ -114,7 +114,7 @@ def test_a_windowed_row_is_bitwise_the_same_alone_batched_or_chunked(dtype: torc
     assert torch.equal(run_prefill(singles_pool, q[:n], [(r, r, 1) for r in range(n)], scale, window, sinks), whole)
 
 
-@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("num_splits", [3])  # splits of a window: the merge and the sink's term
 @pytest.mark.parametrize("with_sinks", [False, True], ids=["plain", "sinks"])
 @pytest.mark.parametrize("window", WINDOWS)
 @pytest.mark.parametrize("dtype", FLOATS)
