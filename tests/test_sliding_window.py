@@ -177,8 +177,12 @@ def test_gemma3_config_rules() -> None:
             ModelConfig.from_hf_dict({**base, capped: 30.0}, name="google/x")
 
 
-def test_gpt_oss_runs_on_one_rank_only() -> None:
-    """Its output-projection and expert biases would be added once per rank: refused, not wrong."""
+def test_gpt_oss_config_and_its_shards() -> None:
+    """Its clamped SwiGLU, sinks and windows read from the config; on two ranks (TP or EP) it splits evenly,
+    and a row-parallel bias (its output projection's, its experts' down projections') is added by rank 0
+    alone, as the summed outputs need (tests/test_tensor_parallel.py runs it against transformers)."""
+    import torch
+
     from ladle.model.sharding import Shard
 
     cfg = ModelConfig.from_hf_dict({"model_type": "gpt_oss", "vocab_size": 100, "hidden_size": 64,
@@ -187,9 +191,11 @@ def test_gpt_oss_runs_on_one_rank_only() -> None:
                                     "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 8,
                                     "layer_types": ["sliding_attention", "full_attention"]})
     assert cfg.moe.clamped_swiglu == (1.702, 7.0) and cfg.attention_sinks and cfg.layer_windows == (8, None)
+    bias = torch.ones(3)
     for expert_parallel in (False, True):
-        with pytest.raises(ValueError, match="gpt-oss runs on one rank only"):
-            Shard(0, 2, expert_parallel).check(cfg)
+        Shard(0, 2, expert_parallel).check(cfg)
+        assert Shard(0, 2, expert_parallel).row_parallel_bias(bias) is bias
+        assert Shard(1, 2, expert_parallel).row_parallel_bias(bias) is None
 
 
 def test_an_mxfp4_gpt_oss_gives_its_dequantised_twins_tokens(tmp_path: Path, smollm2_dir: Path) -> None:
