@@ -51,6 +51,9 @@ if TYPE_CHECKING:
     from ladle.distributed.tensor_parallel import RankSpec
     from ladle.model.collectives import CommStats
 
+# a slowdown planted in every step, for tests/test_gate.py alone: the performance gate must catch it
+PLANTED_STEP_SLEEP_S = float(os.environ.get("LADLE_PLANTED_STEP_SLEEP_MS", "0")) / 1000
+
 log = logging.getLogger("ladle")
 
 
@@ -438,6 +441,8 @@ class LLMEngine:
         if not plan:
             return handed_over
         now = time.time()
+        if PLANTED_STEP_SLEEP_S:
+            time.sleep(PLANTED_STEP_SLEEP_S)
         logits = self.runner.execute(plan.scheduled)
         if self.kv.offload is not None:
             self._measure_prefill(plan, time.time() - now)
