@@ -121,12 +121,19 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Tests marked `cuda` need an NVIDIA GPU: deselected where torch sees none (CI has none; they run on
-    the device machine through benchmarks/gpu_check.sh). The rest run longest first."""
+    the device machine through benchmarks/gpu_check.sh). Tests marked `gate` time the performance gate
+    and want the machine to themselves: they run only when asked for (`-m gate`, as .ci/run does after
+    the suite). The rest run longest first."""
+    left_out = []
     if not torch.cuda.is_available():
-        gpu = [item for item in items if "cuda" in item.keywords]
-        if gpu:
-            config.hook.pytest_deselected(items=gpu)
-            items[:] = [item for item in items if "cuda" not in item.keywords]
+        left_out.append("cuda")
+    if "gate" not in (config.getoption("markexpr") or ""):
+        left_out.append("gate")
+    for marker in left_out:
+        dropped = [item for item in items if marker in item.keywords]
+        if dropped:
+            config.hook.pytest_deselected(items=dropped)
+            items[:] = [item for item in items if marker not in item.keywords]
     order_longest_scopes_first(config, items)
 
 
