@@ -384,19 +384,7 @@ async def _sweep(args: argparse.Namespace) -> int:
     sweep = await run_sweep(info.target, make_requests, sweep_spec, base, percentiles, slo,
                             progress=not args.disable_tqdm, log=lambda line: print(line, flush=True),
                             before_step=reset)
-    extra = {"burstiness": args.burstiness, "num_warmups": args.num_warmups,
-             "cache": "cold" if args.reset_cache else "warm"}
-    result = {**_header(args, info, extra), "model": info.target.model, **sweep}
-    name = f"sweep-{args.by}-{_model_stem(info.target.model)}-{result['date']}.json"
-    path = result_path(args.result_dir, args.result_filename, name)
-    write_json(path, result)
-    print(f"sweep written to {path}")
-    if not args.no_plot:
-        from ladle.bench.plot import plot_sweep
-
-        png = Path(path).with_suffix(".png")
-        plot_sweep(result, png)
-        print(f"plot written to {png}")
+    _write_sweep(args, info, sweep, "sweep", marked="knee")
     knee = sweep["knee"]
     if knee is None:
         print(f"knee: none (even the lowest load's goodput fell short); stopped: {sweep['stop_reason']}")
@@ -405,6 +393,23 @@ async def _sweep(args: argparse.Namespace) -> int:
               f"p99 TTFT {knee['p99_ttft_ms']:.1f} ms, p99 TPOT {knee['p99_tpot_ms']:.1f} ms); "
               f"stopped: {sweep['stop_reason']}")
     return 0
+
+
+def _write_sweep(args: argparse.Namespace, info: TargetInfo, found: dict[str, Any], kind: str, marked: str) -> None:
+    """A sweep's (or a goodput search's) result JSON, and its PNG unless --no-plot, marking its `marked` step."""
+    extra = {"burstiness": args.burstiness, "num_warmups": args.num_warmups,
+             "cache": "cold" if args.reset_cache else "warm"}
+    result = {**_header(args, info, extra), "model": info.target.model, **found}
+    name = f"{kind}-{args.by}-{_model_stem(info.target.model)}-{result['date']}.json"
+    path = result_path(args.result_dir, args.result_filename, name)
+    write_json(path, result)
+    print(f"{'sweep' if kind == 'sweep' else 'search'} written to {path}")
+    if not args.no_plot:
+        from ladle.bench.plot import plot_sweep
+
+        png = Path(path).with_suffix(".png")
+        plot_sweep(result, png, marked=marked)
+        print(f"plot written to {png}")
 
 
 async def _goodput_search(args: argparse.Namespace, info: TargetInfo, make_requests, base: LoadSpec,
@@ -416,19 +421,7 @@ async def _goodput_search(args: argparse.Namespace, info: TargetInfo, make_reque
     found = await search_goodput(info.target, make_requests, spec, base, percentiles, slo,
                                  progress=not args.disable_tqdm, log=lambda line: print(line, flush=True),
                                  before_step=reset)
-    extra = {"burstiness": args.burstiness, "num_warmups": args.num_warmups,
-             "cache": "cold" if args.reset_cache else "warm"}
-    result = {**_header(args, info, extra), "model": info.target.model, **found}
-    name = f"goodput-{args.by}-{_model_stem(info.target.model)}-{result['date']}.json"
-    path = result_path(args.result_dir, args.result_filename, name)
-    write_json(path, result)
-    print(f"search written to {path}")
-    if not args.no_plot:
-        from ladle.bench.plot import plot_sweep
-
-        png = Path(path).with_suffix(".png")
-        plot_sweep(result, png, marked="best")
-        print(f"plot written to {png}")
+    _write_sweep(args, info, found, "goodput", marked="best")
     best = found["best"]
     if best is None:
         print(f"highest {args.by} meeting {args.attainment:.0%} attainment: none (even {args.start:g} misses)")
