@@ -330,10 +330,11 @@ class KVCacheManager:
             seq.num_cached_blocks = k + 1
 
     def _cached_parent(self, seq: Sequence, k: int) -> Node | None:
-        """The tree node seq's block k goes under: None for the first block, or where seq's path left
-        the tree (its parent block was replaced by a canonical one or evicted: seq stays private)."""
+        """The tree node seq's block k (its next to cache: k == seq.num_cached_blocks) goes under: None for
+        the first block, or where seq's path left the tree (its parent block was replaced by a canonical
+        one or evicted: seq stays private)."""
         parent = seq.cached_tail if k else None
-        if parent is None or parent.detached or seq.num_cached_blocks != k:
+        if parent is None or parent.detached:
             return None
         if seq.block_table[k - 1] not in (HOLLOW, parent.block_id):
             return None
