@@ -32,6 +32,7 @@ from ladle.model.attention import KVCache, TorchPagedAttention
 from ladle.model.collectives import ProcessGroupComm
 from ladle.model.config import ModelConfig
 from ladle.model.llama import LlamaForCausalLM
+from ladle.model.registry import causal_lm_class
 from ladle.model.sharding import Shard
 
 log = logging.getLogger("ladle")
@@ -77,7 +78,7 @@ def build_rank_model(spec: RankSpec, rank: int, comm: ProcessGroupComm,
                                   local.layer_windows, local.attention_scale)
     if weights is None:
         weights = load_weights(Path(spec.folder), spec.dtype)
-    return LlamaForCausalLM(spec.cfg, weights, backend, spec.quantization, shard, comm), kv
+    return causal_lm_class(spec.cfg)(spec.cfg, weights, backend, spec.quantization, shard, comm), kv
 
 
 def _groups(spec: RankSpec, rank: int) -> tuple[object, object, object]:

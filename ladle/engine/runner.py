@@ -20,7 +20,8 @@ from ladle.lora.adapter import AdapterRef, AdapterWeights
 from ladle.lora.slots import LoRABatch, LoRASlots
 from ladle.model.attention import AttentionMetadata, CanonicalRows, KVCache, PrefillSpan, padded_block_tables
 from ladle.model.config import ModelConfig
-from ladle.model.llama import KeptStates, LlamaForCausalLM
+from ladle.model.llama import KeptStates
+from ladle.model.registry import causal_lm_class
 from ladle.platform import CpuPlatform, Platform
 
 if TYPE_CHECKING:
@@ -59,7 +60,7 @@ class ModelRunner:
             self.model, self.kv_cache, self.workers = start_parallel_model(parallel, weights)
         else:
             self.kv_cache = self._new_kv_cache(num_blocks or 1)
-            self.model = LlamaForCausalLM(cfg, weights, self._attention_backend(), quantization,
+            self.model = causal_lm_class(cfg)(cfg, weights, self._attention_backend(), quantization,
                                           ops=self.platform.layer_ops())
         self.lora_slots: LoRASlots | None = None
         self._lora_weights: Callable[[AdapterRef], AdapterWeights] | None = None
