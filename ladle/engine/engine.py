@@ -19,6 +19,7 @@ from ladle.config import EngineConfig
 from ladle.engine.kv_cache import KVCacheManager
 from ladle.engine.handoff import HandoffStats, KVExports, KVHandoff, block_writer, export_handoff, handoff_mismatch
 from ladle.engine.kv_events import KVEventLog
+from ladle.engine.kv_report import describe_kv_bytes
 from ladle.engine.prefix_cache import root_digest
 from ladle.engine.request import CompletionDelta, RequestTimings, Sequence, StepOutput, TokenLogprob
 from ladle.engine.sampling_params import SamplingParams
@@ -95,8 +96,8 @@ class LLMEngine:
             num_blocks = self._measured_num_blocks()
             self.runner.allocate_kv_cache(num_blocks)
         pool_tokens = num_blocks * config.block_size
-        log.info("KV cache: %d blocks of %d tokens (%d tokens, %s)", num_blocks, config.block_size, pool_tokens,
-                 kv_name)
+        log.info("KV cache: %d blocks of %d tokens (%d tokens, %s; %s)", num_blocks, config.block_size, pool_tokens,
+                 kv_name, describe_kv_bytes(self.model_config, self.kv_dtype))
         window = self._kv_window()
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
                                  cache_outputs=not config.deterministic, window=window)

@@ -97,6 +97,7 @@ class AttentionMetadata:
     in_step_copies: list[tuple[int, int, int]] = field(default_factory=list)
     batch_invariant: bool = False  # linear layers must give each row the same bits whatever the batch
     backend_data: object = None  # what the backend's prepare() derived from the above, for its kernels
+    states: object = None  # hybrid models: each sequence's linear-attention state slot (ladle.model.linear_attention)
 
 
 class AttentionBackend(Protocol):
@@ -146,33 +147,29 @@ class KVCache:
     slot and KV head: k_scale, v_scale [layers, blocks, block_size, kv_heads].
 
     Layers of different shapes (layer_shapes: each layer's (kv_heads, head_dim), Gemma 4's) are
-    stacked by shape: k, v and the scales are then LayerViews, still indexed by layer.
+    stacked by shape: k, v and the scales are then LayerViews, still indexed by layer. A layer shape
+    (kv_heads, k_dim, v_dim) gives K and V widths of their own: MLA's latent cache (ladle.model.mla)
+    is (1, kv_lora_rank + rope, 0), one vector per token in K and a V of width 0 that holds nothing.
     """
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                 layer_shapes: tuple[tuple[int, int], ...] = ()):
+                 layer_shapes: tuple[tuple[int, ...], ...] = ()):
         self.block_size = block_size
         shapes = list(layer_shapes) or [(num_kv_heads, head_dim)] * num_layers
         groups = list(dict.fromkeys(shapes))  # the distinct shapes, in order of first use
         quantized = kv_quant.is_8bit(dtype)
         self.k_scale = self.v_scale = None
-        if len(groups) == 1:
-            shape = (num_layers, num_blocks, block_size, *groups[0])
-            self.k, self.v = _zeros(shape, dtype, device), _zeros(shape, dtype, device)
-            if quantized:
-                self.k_scale = _zeros(shape[:-1], torch.float32, device)
-                self.v_scale = _zeros(shape[:-1], torch.float32, device)
-            return
         places = [(groups.index(shape), shapes[:layer].count(shape)) for layer, shape in enumerate(shapes)]
 
-        def stacked(with_head_dim: bool, of: torch.dtype) -> LayerViews:
-            return LayerViews([_zeros((shapes.count(g), num_blocks, block_size, *(g if with_head_dim else g[:1])), of,
-                                      device) for g in groups], places)
+        def stacked(which: str, of: torch.dtype) -> torch.Tensor | LayerViews:
+            parts = [_zeros((shapes.count(g), num_blocks, block_size, *_part_shape(g, which)), of, device)
+                     for g in groups]
+            return parts[0] if len(groups) == 1 else LayerViews(parts, places)
 
-        self.k, self.v = stacked(True, dtype), stacked(True, dtype)
+        self.k, self.v = stacked("k", dtype), stacked("v", dtype)
         if quantized:
-            self.k_scale, self.v_scale = stacked(False, torch.float32), stacked(False, torch.float32)
+            self.k_scale, self.v_scale = stacked("k_scale", torch.float32), stacked("v_scale", torch.float32)
 
     @property
     def quantized(self) -> bool:
@@ -199,10 +196,22 @@ class KVCache:
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
-                        dtype: torch.dtype = torch.float32, layer_shapes: tuple[tuple[int, int], ...] = ()) -> int:
-        scale_bytes = 4 if kv_quant.is_8bit(dtype) else 0
+                        dtype: torch.dtype = torch.float32, layer_shapes: tuple[tuple[int, ...], ...] = ()) -> int:
+        """What one block holds over every layer: only what is stored (MLA's latent, no V)."""
         shapes = layer_shapes or [(num_kv_heads, head_dim)] * num_layers
-        return sum(2 * block_size * heads * (dim * dtype.itemsize + scale_bytes) for heads, dim in shapes)
+        scale = torch.float32 if kv_quant.is_8bit(dtype) else None
+        return sum(block_size * math.prod(_part_shape(shape, which)) * of.itemsize for shape in shapes
+                   for which, of in (("k", dtype), ("v", dtype), ("k_scale", scale), ("v_scale", scale)) if of)
+
+
+def _part_shape(shape: tuple[int, ...], which: str) -> tuple[int, ...]:
+    """The per-slot shape of K, V or their scales for a layer shape (kv_heads, head_dim) or (kv_heads, k_dim,
+    v_dim): a V of width 0 has no scales either."""
+    heads, k_dim, v_dim = shape if len(shape) == 3 else (shape[0], shape[1], shape[1])
+    dim = k_dim if which.startswith("k") else v_dim
+    if which.endswith("scale"):
+        return (heads if dim else 0,)
+    return (heads, dim)
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.device) -> torch.Tensor:

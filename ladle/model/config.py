@@ -12,6 +12,10 @@ SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "qwen2_moe", "q
 GEMMA_ARCHITECTURES = ("gemma3_text", "gemma4_text")
 MOE_ARCHITECTURES = ("qwen2_moe", "qwen3_moe", "mixtral", "gpt_oss")
 
+MLA_ARCHITECTURES = ("deepseek_v3",)  # multi-head latent attention (ladle.model.mla), routed experts
+SUPPORTED_ARCHITECTURES += MLA_ARCHITECTURES
+MOE_ARCHITECTURES += MLA_ARCHITECTURES
+
 
 @dataclass
 class MoEConfig:
@@ -28,9 +32,20 @@ class MoEConfig:
     biases: bool = False
     softmax_of_top_k: bool = False
     clamped_swiglu: tuple[float, float] | None = None
+    # DeepSeek V3 ("noaux_tc"): sigmoid scores, a learned bias added to them only to choose, the top k chosen
+    # within the topk_group best of n_group expert groups (a group scored by its two best), the weights
+    # renormalised then times routed_scaling_factor; n_shared_experts ungated experts every token takes
+    # (fused into one of shared_expert_intermediate_size)
+    scoring: str = "softmax"  # or "sigmoid"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    n_shared_experts: int = 0
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any], model_type: str, num_layers: int) -> "MoEConfig":
+        if model_type == "deepseek_v3":
+            return cls._deepseek(d, num_layers)
         # transformers 5 names the count num_local_experts for Qwen3-MoE too
         num_experts = d.get("num_experts") or d["num_local_experts"]
         if model_type == "gemma4_text":  # every layer, its experts beside a dense MLP (ladle.model.moe)
@@ -49,6 +64,46 @@ class MoEConfig:
         return cls(num_experts, d["num_experts_per_tok"], d["moe_intermediate_size"],
                    bool(d.get("norm_topk_prob", False)),
                    d.get("shared_expert_intermediate_size", 0) if model_type == "qwen2_moe" else 0, sparse)
+
+    @classmethod
+    def _deepseek(cls, d: dict[str, Any], num_layers: int) -> "MoEConfig":
+        """DeepSeek V3's experts: its first first_k_dense_replace layers dense, the others routed."""
+        if d.get("topk_method", "noaux_tc") != "noaux_tc" or d.get("scoring_func", "sigmoid") != "sigmoid":
+            raise ValueError(f"DeepSeek routing {d.get('topk_method')!r} with {d.get('scoring_func')!r} scores: "
+                             "ladle routes DeepSeek V3's way only (noaux_tc, sigmoid)")
+        shared = int(d.get("n_shared_experts") or 0)
+        return cls(d["n_routed_experts"], d["num_experts_per_tok"], d["moe_intermediate_size"],
+                   bool(d.get("norm_topk_prob", True)), shared * d["moe_intermediate_size"],
+                   frozenset(range(int(d.get("first_k_dense_replace") or 0), num_layers)), scoring="sigmoid",
+                   n_group=int(d.get("n_group") or 1), topk_group=int(d.get("topk_group") or 1),
+                   routed_scaling_factor=float(d.get("routed_scaling_factor", 1.0)), n_shared_experts=shared)
+
+
+@dataclass
+class MLAConfig:
+    """Multi-head latent attention's shapes (DeepSeek V3, ladle.model.mla): queries through a LoRA of
+    q_lora_rank (None: one projection), keys and values from a latent of kv_lora_rank per token, each
+    head's key qk_nope_head_dim numbers from the latent and qk_rope_head_dim rotated ones shared by all
+    heads, its value v_head_dim; rope_interleave: the rotated numbers lie in interleaved pairs."""
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool = True
+
+    @property
+    def cache_shape(self) -> tuple[int, int, int]:
+        """What the paged cache holds per token and layer, as a KVCache layer shape: one vector, the normed
+        latent and the rotated shared key side by side, and no V."""
+        return (1, self.kv_lora_rank + self.qk_rope_head_dim, 0)
+
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any]) -> "MLAConfig":
+        q_lora_rank = d.get("q_lora_rank")
+        return cls(None if q_lora_rank is None else int(q_lora_rank), d["kv_lora_rank"], d["qk_nope_head_dim"],
+                   d["qk_rope_head_dim"], d["v_head_dim"], bool(d.get("rope_interleave", True)))
 
 
 @dataclass
@@ -199,6 +254,7 @@ class ModelConfig:
     # each layer's (num_key_value_heads, head_dim) where they differ by layer (Gemma 4's global layers);
     # empty: every layer has the model's
     layer_attention_shapes: tuple[tuple[int, int], ...] = ()
+    mla: MLAConfig | None = None  # DeepSeek V3: multi-head latent attention, a latent vector cached per token
 
     @property
     def num_kv_layers(self) -> int:
@@ -207,7 +263,10 @@ class ModelConfig:
 
     @property
     def cache_layer_shapes(self) -> tuple[tuple[int, int], ...]:
-        """The cache's layers' (num_key_value_heads, head_dim) where they differ by layer; empty: one shape."""
+        """The cache's layers' (num_key_value_heads, head_dim) where they differ by layer; empty: one shape.
+        MLA's layers hold a latent vector per token and no V (MLAConfig.cache_shape)."""
+        if self.mla is not None:
+            return (self.mla.cache_shape,) * self.num_kv_layers
         return self.layer_attention_shapes[: self.num_kv_layers]
 
     def attention_shape(self, layer: int) -> tuple[int, int]:
@@ -289,6 +348,7 @@ class ModelConfig:
             layer_windows=windows if any(w is not None and w < max_positions for w in windows) else (),
             gemma=gemma,
             layer_attention_shapes=shapes,
+            mla=MLAConfig.from_hf_dict(d) if model_type in MLA_ARCHITECTURES else None,
         )
 
     @classmethod

@@ -99,11 +99,29 @@ def latent_attention(w: MLAWeights, q_nope: torch.Tensor, q_pe: torch.Tensor, la
     """Queries [T, heads, ...] over cached latents [L, rank] and shared keys [L, rope]; visible [T, L]:
     which keys each query sees. Returns the output projection's input [T, heads * v]."""
     w_uk, w_uv = w.absorb()
-    q_latent = torch.einsum("thn,hnr->thr", q_nope, w_uk)
-    scores = (torch.einsum("thr,lr->htl", q_latent, latent) + torch.einsum("thd,ld->htl", q_pe, k_pe)) * scale
+    out_latent = latent_softmax(absorb_queries(q_nope, w_uk), q_pe, latent[None], k_pe[None], visible[:, None], scale)
+    return values_of(out_latent, w_uv)
+
+
+def absorb_queries(q_nope: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
+    """q_nope [T, heads, nope] into the latent space: W_UK_h^T q_nope per head, [T, heads, rank]."""
+    return torch.einsum("thn,hnr->thr", q_nope, w_uk)
+
+
+def values_of(out_latent: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
+    """The heads' weighted sums of latents [T, heads, rank] through W_UV: [T, heads * v]."""
+    return torch.einsum("thr,hvr->thv", out_latent, w_uv).flatten(1)
+
+
+def latent_softmax(q_latent: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor,
+                   visible: torch.Tensor, scale: float) -> torch.Tensor:
+    """Absorbed queries [G, M, rank] and rotated ones [G, M, rope] over latents [G, L, rank] and shared keys
+    [G, L, rope] (G broadcast: a decode's own cache, or one sequence's for its M = rows x heads); visible
+    [G, M, L] (broadcast) where a query sees a key. The softmax-weighted sum of the latents, [G, M, rank]:
+    scores in the latent space, the softmax in float32, as transformers takes it."""
+    scores = (q_latent @ latent.transpose(-1, -2) + q_pe @ k_pe.transpose(-1, -2)) * scale
     probs = scores.float().masked_fill(~visible, float("-inf")).softmax(-1).to(latent.dtype)
-    out_latent = torch.einsum("htl,lr->thr", probs, latent)
-    return torch.einsum("thr,hvr->thv", out_latent, w_uv).reshape(q_nope.shape[0], w.heads * w.v_dim)
+    return probs @ latent
 
 
 LatentCache = tuple[torch.Tensor, torch.Tensor]  # (latents [L, rank], shared rotary keys [L, rope])

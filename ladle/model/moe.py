@@ -1,5 +1,6 @@
-"""Mixture-of-experts MLP (Qwen2-MoE, Qwen3-MoE, Mixtral, gpt-oss, Gemma 4): a router picks each token's
-top k experts, the experts' SwiGLU (Gemma 4: GELU-gated) outputs are summed weighted by their probabilities.
+"""Mixture-of-experts MLP (Qwen2-MoE, Qwen3-MoE, Mixtral, gpt-oss, Gemma 4, DeepSeek V3): a router picks each
+token's top k experts, the experts' SwiGLU (Gemma 4: GELU-gated) outputs are summed weighted by their probabilities
+(DeepSeek's: sigmoid scores, chosen within the best groups of experts, DeepseekMoEBlock).
 
 Experts run grouped: the (token, choice) pairs are sorted by expert and each active expert
 takes all its rows in one matmul, never a Python loop over tokens. Under tensor
@@ -75,7 +76,7 @@ class MoEBlock:
     def linears(self) -> list[Linear]:
         out = [self.router] + [lin for e in self.experts for lin in e.linears]
         if self.shared is not None:
-            out += [*self.shared.linears, self.shared_gate]
+            out += [*self.shared.linears] + ([self.shared_gate] if self.shared_gate is not None else [])
         return out
 
     def __call__(self, x: torch.Tensor, inv: bool) -> torch.Tensor:
@@ -124,6 +125,9 @@ class MoEBlock:
         return weighted.view(t, k, outputs.shape[1]).sum(dim=1)
 
     def _shared(self, x: torch.Tensor, inv: bool) -> torch.Tensor:
+        """The shared expert's output, sigmoid-gated (Qwen2-MoE) or as it is (DeepSeek's, without a gate)."""
+        if self.shared_gate is None:
+            return self.shared(x, inv)
         return torch.sigmoid(self.shared_gate(x, inv)) * self.shared(x, inv)
 
     def _expert_parallel(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor,
@@ -178,6 +182,31 @@ class Gemma4MoEBlock(MoEBlock):
         weights, chosen = torch.topk(probs, self.cfg.top_k, dim=-1)
         weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights * self.per_expert_scale[chosen], chosen
+
+
+@dataclass
+class DeepseekMoEBlock(MoEBlock):
+    """DeepSeek V3's routing ("noaux_tc"): sigmoid scores in float32; a learned per-expert bias added to them to
+    choose (it balances the load) but not to weigh; the experts split into n_group groups, each scored by the
+    sum of its two best, and the top k chosen within the topk_group best groups; the chosen scores
+    renormalised where the model does, then times routed_scaling_factor."""
+
+    correction_bias: torch.Tensor | None = None  # float32 [num_experts]: e_score_correction_bias
+
+    def route(self, x: torch.Tensor, inv: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        cfg = self.cfg
+        scores = torch.sigmoid(self.router(x.float(), inv))
+        choice = scores + self.correction_bias
+        if cfg.n_group > 1:
+            groups = choice.view(x.shape[0], cfg.n_group, -1)
+            best = torch.topk(groups.topk(2, dim=-1).values.sum(dim=-1), cfg.topk_group, dim=-1).indices
+            kept = torch.zeros(x.shape[0], cfg.n_group, dtype=torch.bool, device=x.device).scatter_(1, best, True)
+            choice = groups.masked_fill(~kept[..., None], float("-inf")).view(x.shape[0], -1)
+        chosen = torch.topk(choice, cfg.top_k, dim=-1).indices
+        weights = scores.gather(1, chosen)
+        if cfg.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * cfg.routed_scaling_factor, chosen
 
 
 def load_gemma4_moe_block(w: dict[str, Weight], layer: int, cfg: ModelConfig,
@@ -236,11 +265,16 @@ def load_moe_block(w: dict[str, Weight], layer: int, cfg: ModelConfig, shard: Sh
         w.pop(prefix + fused, None)
     shared = shared_gate = None
     if moe.shared_expert_intermediate_size:
-        s = prefix + "shared_expert."
+        s = prefix + ("shared_experts." if moe.n_shared_experts else "shared_expert.")
         # whole under expert parallelism: each rank computes it for its own run of the tokens
         shared = expert(w.pop(s + "gate_proj.weight"), w.pop(s + "up_proj.weight"), w.pop(s + "down_proj.weight"),
                         whole=shard.expert_parallel)
-        shared_gate = linear(w.pop(prefix + "shared_expert_gate.weight"), None)
+        if not moe.n_shared_experts:  # DeepSeek's shared experts have no gate
+            shared_gate = linear(w.pop(prefix + "shared_expert_gate.weight"), None)
+    if moe.scoring == "sigmoid":  # DeepSeek: the router in float32, as transformers keeps it
+        router = Linear(w.pop(prefix + "gate.weight").float())
+        return DeepseekMoEBlock(moe, router, experts, held.start, shared, None, shard.expert_parallel, comm,
+                                correction_bias=w.pop(prefix + "gate.e_score_correction_bias").float())
     router = (linear(w.pop(prefix + "router.weight"), w.pop(prefix + "router.bias")) if cfg.model_type == "gpt_oss"
               else linear(w.pop(prefix + "gate.weight"), None))
     return MoEBlock(moe, router, experts, held.start, shared, shared_gate, shard.expert_parallel, comm)

@@ -1,0 +1,225 @@
+"""DeepSeek V3's forward over a flat, packed token batch: multi-head latent attention (ladle.model.mla)
+over a latent KV cache (ladle.model.mla_attention), its first first_k_dense_replace layers' MLPs dense
+and the others routed experts beside shared ones (ladle.model.moe.DeepseekMoEBlock).
+
+The same interface as LlamaForCausalLM (the runner, the engine and speculative decoding call either):
+forward, compute_logits, linears, moe_blocks, routing. One rank only for now: the tensor-parallel ranks
+build their KV caches with full K/V (ladle.distributed.tensor_parallel), which the latent cache is not.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from ladle.config import QUANTIZATIONS
+from ladle.model import kernels
+from ladle.model.attention import AttentionMetadata
+from ladle.model.collectives import Single
+from ladle.model.config import ModelConfig
+from ladle.model.kernels.routing import MatmulRouting, choose_routing, forced_routing
+from ladle.model.layers import Linear, RotaryEmbedding
+from ladle.model.llama import KeptStates
+from ladle.model.mla import rotate, softmax_scale
+from ladle.model.mla_attention import LatentHeads, MLAPagedAttention
+from ladle.model.moe import MoEBlock, load_moe_block
+from ladle.model.ops import TORCH_OPS, LayerOps
+from ladle.model.quantization import GroupedWeight, cat_weights, choose_prefill_route, make_linear
+from ladle.model.sharding import Shard
+
+if TYPE_CHECKING:
+    from ladle.lora.slots import LoRABatch
+
+LORA_NORM_EPS = 1e-6  # q_a_layernorm's and kv_a_layernorm's: transformers builds them with its default eps
+
+
+@dataclass
+class DeepseekLayer:
+    input_norm: torch.Tensor
+    q_a: Linear | None  # hidden -> q_lora_rank; None where q_b maps the hidden state itself (q_proj)
+    q_a_norm: torch.Tensor | None
+    q_b: Linear  # -> heads * (nope + rope)
+    kv_a: Linear  # hidden -> kv_lora_rank + rope: the latent and the shared rotary key
+    kv_a_norm: torch.Tensor
+    heads: LatentHeads  # kv_b_proj: latent -> each head's key (without RoPE) and value
+    o_proj: Linear
+    post_attn_norm: torch.Tensor
+    gate_up: Linear | None  # the dense layers' MLP
+    down: Linear | None
+    moe: MoEBlock | None  # the others'
+
+    @property
+    def linears(self) -> tuple[Linear, ...]:
+        attention = ((self.q_a,) if self.q_a is not None else ()) + (self.q_b, self.kv_a, self.heads.kv_b, self.o_proj)
+        mlp = tuple(self.moe.linears) if self.moe is not None else (self.gate_up, self.down)
+        return attention + mlp
+
+
+def _layer(w: dict[str, torch.Tensor | GroupedWeight], i: int, cfg: ModelConfig,
+           linear: Callable[[torch.Tensor | GroupedWeight, torch.Tensor | None], Linear],
+           cat: Callable[[list], torch.Tensor | GroupedWeight], dtype: torch.dtype) -> DeepseekLayer:
+    """Layer i's weights, taken out of w (dtype: the compute dtype)."""
+    p, m = f"model.layers.{i}.", cfg.mla
+    attn = p + "self_attn."
+    lora = m.q_lora_rank is not None
+    moe = load_moe_block(w, i, cfg, Shard(), linear, cat, Single()) if i in cfg.moe.sparse_layers else None
+    gate_up = down = None
+    if moe is None:
+        gate_up = linear(cat([w.pop(p + "mlp.gate_proj.weight"), w.pop(p + "mlp.up_proj.weight")]), None)
+        down = linear(w.pop(p + "mlp.down_proj.weight"), None)
+    # kv_b stays float whatever the quantization: the absorbed decode reads it per head
+    kv_b = Linear(_dense(w.pop(attn + "kv_b_proj.weight"), dtype))
+    return DeepseekLayer(
+        input_norm=w.pop(p + "input_layernorm.weight"),
+        q_a=linear(w.pop(attn + "q_a_proj.weight"), None) if lora else None,
+        q_a_norm=w.pop(attn + "q_a_layernorm.weight") if lora else None,
+        q_b=linear(w.pop(attn + ("q_b_proj.weight" if lora else "q_proj.weight")), None),
+        kv_a=linear(w.pop(attn + "kv_a_proj_with_mqa.weight"), None),
+        kv_a_norm=w.pop(attn + "kv_a_layernorm.weight"),
+        heads=LatentHeads.of(kv_b, cfg.num_attention_heads, m.qk_nope_head_dim, m.v_head_dim),
+        o_proj=linear(w.pop(attn + "o_proj.weight"), None),
+        post_attn_norm=w.pop(p + "post_attention_layernorm.weight"),
+        gate_up=gate_up, down=down, moe=moe)
+
+
+def _dense(weight: torch.Tensor | GroupedWeight, dtype: torch.dtype) -> torch.Tensor:
+    """A weight as a float tensor of the compute dtype (a GGUF's blocks dequantised)."""
+    return weight.dequantize(dtype) if isinstance(weight, GroupedWeight) else weight
+
+
+class DeepseekV3ForCausalLM:
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor | GroupedWeight],
+                 attention: object, quantization: str = "auto", shard: Shard = Shard(),
+                 comm: object = Single(), ops: LayerOps = TORCH_OPS):
+        """As LlamaForCausalLM's. attention: the platform's backend over the runner's KV cache, a latent one
+        (ModelConfig.cache_layer_shapes); the model attends through MLAPagedAttention over that cache."""
+        if quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, not {quantization!r}")
+        if not shard.whole:
+            raise ValueError("DeepSeek V3 runs on one rank only for now (no tensor or expert parallel): its "
+                             "latent KV cache is not the one tensor-parallel ranks build")
+        if cfg.attention_bias:
+            raise ValueError("DeepSeek V3 with attention_bias is not supported")
+        w = dict(weights)
+        self.cfg, self.shard, self.comm, self.ops, self.quantization = cfg, shard, comm, ops, quantization
+        m = cfg.mla
+        self.states = None  # the hybrid models' per-sequence state pool (the runner asks): none here
+        self.scale = softmax_scale(m.qk_nope_head_dim + m.qk_rope_head_dim, cfg.rope_scaling)
+        self.attention = attention
+        self.embed = w.pop("model.embed_tokens.weight")
+        dtype = self.embed.dtype
+        linear = functools.partial(make_linear, quantization=quantization, dtype=dtype)
+        cat = functools.partial(cat_weights, dtype=dtype)
+        self.layers = [_layer(w, i, cfg, linear, cat, dtype) for i in range(cfg.num_hidden_layers)]
+        self.norm = w.pop("model.norm.weight")
+        lm_head = w.pop("lm_head.weight", None)
+        if lm_head is None or (cfg.tie_word_embeddings and not isinstance(lm_head, GroupedWeight)):
+            lm_head = self.embed
+        self.lm_head = linear(lm_head, None)
+        self.rotary = RotaryEmbedding(m.qk_rope_head_dim, cfg.max_position_embeddings, cfg.rope_theta,
+                                      cfg.rope_scaling, device=self.embed.device)
+        for lin in self.linears:  # now, not on the first canonical (scoring) request
+            lin.pack()
+        self.routing = self._choose_routing()
+        for lin in self.linears:
+            lin.routing = self.routing
+
+    @property
+    def attention(self) -> MLAPagedAttention | None:
+        return self._attention
+
+    @attention.setter
+    def attention(self, backend: object) -> None:
+        """The runner sets the platform's backend (on start, and when it reallocates the pool): the model
+        attends over that backend's cache, its latents."""
+        if backend is None or isinstance(backend, MLAPagedAttention):
+            self._attention = backend
+            return
+        m = self.cfg.mla
+        self._attention = MLAPagedAttention(backend.cache, m.kv_lora_rank, m.qk_rope_head_dim, self.scale)
+
+    def _choose_routing(self) -> MatmulRouting:
+        """Where the float matmuls run, as LlamaForCausalLM chooses (the float32 routers left out)."""
+        dtype = self.embed.dtype
+        measured = [lin for layer in self.layers for lin in layer.linears
+                    if not lin.quantized and lin.weight.dtype == dtype]
+        if not self.embed.is_cpu:
+            return MatmulRouting("torch", "torch", f"torch on {self.embed.device.type}")
+        if not measured:
+            return forced_routing() or choose_prefill_route(self.layers[0].linears)
+        return choose_routing(kernels.native_kernels(), [lin.weight for lin in measured],
+                              [lin.packed for lin in measured])
+
+    @property
+    def linears(self) -> list[Linear]:
+        return [lin for layer in self.layers for lin in layer.linears] + [self.lm_head]
+
+    @property
+    def moe_blocks(self) -> dict[int, MoEBlock]:
+        """The MoE layers' blocks by layer index (the first first_k_dense_replace layers are dense)."""
+        return {i: layer.moe for i, layer in enumerate(self.layers) if layer.moe is not None}
+
+    def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [T, rope] at positions, each frequency's angle twice (halves), rounded to the dtype
+        as transformers rounds them."""
+        cos, sin = self.rotary.cos[positions], self.rotary.sin[positions]
+        return torch.cat((cos, cos), dim=-1).to(dtype), torch.cat((sin, sin), dim=-1).to(dtype)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                keep: KeptStates | None = None, num_layers: int | None = None,
+                lora: LoRABatch | None = None) -> torch.Tensor:
+        """As LlamaForCausalLM.forward: the final normed hidden states [T, hidden]."""
+        if lora is not None:
+            raise ValueError("LoRA adapters on DeepSeek models are not supported yet")
+        inv, ops, eps = meta.batch_invariant, self.ops, self.cfg.rms_norm_eps
+        self.attention.prepare(meta)
+        h = F.embedding(input_ids, self.embed)
+        rope = self._rope(positions, h.dtype)
+        layers = self.layers if num_layers is None else self.layers[:num_layers]
+        last = len(layers)
+        if keep is not None:
+            keep.rows = keep.rows.to(h.device)
+            keep.keep(0, h)
+        # h, the residual stream, is updated in place; x is the normed input of what comes next
+        x = ops.rms_norm(h, layers[0].input_norm if layers else self.norm, eps)
+        for i, layer in enumerate(layers):
+            x = ops.add_rms_norm(h, self._mla(i, layer, x, rope, meta), layer.post_attn_norm, eps)
+            following = layers[i + 1].input_norm if i + 1 < last else self.norm
+            x = ops.add_rms_norm(h, self._mlp(layer, x, inv), following, eps)
+            if keep is not None and i + 1 < last:
+                keep.keep(i + 1, h)
+        if keep is not None:
+            keep.keep(last, x)
+        return x
+
+    def _mla(self, i: int, layer: DeepseekLayer, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                   meta: AttentionMetadata) -> torch.Tensor:
+        """Layer i's MLA output: the step's latents and shared keys written to the cache, then attended."""
+        m, ops, inv = self.cfg.mla, self.ops, meta.batch_invariant
+        t, heads = x.shape[0], self.cfg.num_attention_heads
+        q_in = x if layer.q_a is None else ops.rms_norm(layer.q_a(x, inv), layer.q_a_norm, LORA_NORM_EPS)
+        q = layer.q_b(q_in, inv).view(t, heads, m.qk_nope_head_dim + m.qk_rope_head_dim)
+        q_nope, q_pe = q.split([m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
+        q_pe = rotate(q_pe, *rope, m.rope_interleave)
+        latent, k_pe = layer.kv_a(x, inv).split([m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
+        latent = ops.rms_norm(latent.contiguous(), layer.kv_a_norm, LORA_NORM_EPS)
+        k_pe = rotate(k_pe, *rope, m.rope_interleave)
+        self.attention.write(i, latent, k_pe, meta)
+        o = self.attention.attend(i, q_nope, q_pe, latent, k_pe, layer.heads, meta)
+        return layer.o_proj(o, inv)
+
+    def _mlp(self, layer: DeepseekLayer, x: torch.Tensor, inv: bool) -> torch.Tensor:
+        if layer.moe is not None:
+            return layer.moe(x, inv)
+        return layer.down(self.ops.silu_and_mul(layer.gate_up(x, inv)), inv)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor, batch_invariant: bool = False) -> torch.Tensor:
+        """float32 logits, whatever the compute dtype."""
+        return self.lm_head(hidden, batch_invariant).float()

@@ -1,0 +1,228 @@
+"""DeepSeek V3 against transformers: a tiny random model (a q LoRA, interleaved rotary dims under YaRN with
+its mscale, a dense first layer, then 8 routed experts in 4 groups beside a shared one) served from a latent KV
+cache. Greedy tokens and logprobs plain, chunked at odd sizes, preempted and from prefix-cache hits at several
+depths; canonical scoring bit-identical cold, cached and batched; decisions reusing a shared input; the
+absorbed decode against the decompressed prompt path; the cache's bytes; one rank only, refused by name."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from test_deterministic import check_scoring_is_bit_identical
+from test_engine_vs_hf import LOGPROB_TOL, PROMPTS, check_logprobs, hf_greedy
+from tiny_models import SMOLLM2_TOKENIZER_FILES
+
+from ladle import LLM, SamplingParams
+from ladle.model.attention import AttentionMetadata, KVCache, PrefillSpan
+from ladle.model.config import ModelConfig
+
+pytestmark = pytest.mark.isa  # results depend on the instruction set: make test-avx2 runs these again
+
+RANK, ROPE, NOPE, V, HEADS = 24, 8, 16, 12, 4
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512, "mscale": 1.0,
+        "mscale_all_dim": 1.0, "beta_fast": 32.0, "beta_slow": 1.0, "rope_theta": 10000.0}
+TINY = dict(vocab_size=49152, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+            num_attention_heads=HEADS, num_key_value_heads=HEADS, n_routed_experts=8, num_experts_per_tok=2,
+            n_group=4, topk_group=2, n_shared_experts=1, first_k_dense_replace=1, q_lora_rank=32,
+            kv_lora_rank=RANK, qk_nope_head_dim=NOPE, qk_rope_head_dim=ROPE, v_head_dim=V, routed_scaling_factor=2.5,
+            max_position_embeddings=2048, rope_parameters=YARN, rms_norm_eps=1e-6, initializer_range=0.2,
+            bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+MAX_TOKENS = 10
+
+
+def build_tiny_deepseek(out: Path, tokenizer_from: Path, seed: int = 0, **overrides) -> Path:
+    """A tiny random DeepSeek V3 saved by transformers, with SmolLM2's tokenizer. Routers and correction
+    biases drawn wide (top-k choices far from ties), norm weights spread around 1."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    torch.manual_seed(seed)
+    model = DeepseekV3ForCausalLM(DeepseekV3Config(**{**TINY, **overrides}))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("gate.weight"):
+                param.normal_(0, 1.0)
+            elif name.endswith("norm.weight"):
+                param.uniform_(0.5, 1.5)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.normal_(0, 0.3)
+    model.save_pretrained(out)
+    for name in SMOLLM2_TOKENIZER_FILES:
+        if (tokenizer_from / name).exists():
+            shutil.copy(tokenizer_from / name, out / name)
+    return out
+
+
+@pytest.fixture(scope="module")
+def deepseek(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path):
+    from transformers import AutoModelForCausalLM
+
+    folder = build_tiny_deepseek(tmp_path_factory.mktemp("deepseek"), smollm2_dir)
+    hf_model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    return folder, hf_model
+
+
+def check_against_transformers(llm: LLM, hf_model, prompts: list[str]) -> None:
+    """Greedy tokens equal to transformers' and every sampled and prompt logprob within tolerance."""
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=5, prompt_logprobs=1)
+    for prompt, res in zip(prompts, llm.generate(prompts, params), strict=True):
+        assert res.outputs[0].token_ids == hf_greedy(hf_model, res.prompt_token_ids, MAX_TOKENS), prompt
+        assert check_logprobs(res, hf_model, 5) < LOGPROB_TOL, prompt
+    assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks  # nothing leaked
+
+
+def test_the_config_is_read_as_transformers_reads_it(deepseek) -> None:
+    folder, _ = deepseek
+    cfg = ModelConfig.from_folder(folder)
+    assert cfg.mla.kv_lora_rank == RANK and cfg.mla.q_lora_rank == 32 and cfg.mla.rope_interleave
+    assert cfg.moe.sparse_layers == {1, 2} and cfg.moe.scoring == "sigmoid" and cfg.moe.n_shared_experts == 1
+    assert (cfg.moe.n_group, cfg.moe.topk_group, cfg.moe.routed_scaling_factor) == (4, 2, 2.5)
+    assert cfg.moe.shared_expert_intermediate_size == 32 and cfg.rope_scaling["rope_type"] == "yarn"
+    assert cfg.cache_layer_shapes == ((1, RANK + ROPE, 0),) * 3
+
+
+@pytest.mark.parametrize("case", ["plain", "chunked", "preempting"])
+def test_deepseek_matches_transformers(deepseek, case: str) -> None:
+    """chunked: prefill chunks of 13 tokens (odd: they end mid-block); preempting: a pool too small for the
+    batch, sequences recomputed after losing their blocks."""
+    folder, hf_model = deepseek
+    args = {"plain": {}, "chunked": {"max_num_batched_tokens": 13, "long_prefill_token_threshold": 13, "block_size": 8},
+            "preempting": {"num_kv_blocks": 20, "block_size": 8, "max_num_batched_tokens": 64}}[case]
+    llm = LLM(str(folder), dtype="float32", **args)
+    check_against_transformers(llm, hf_model, PROMPTS[:6] if case != "plain" else PROMPTS)
+    if case == "preempting":
+        assert llm.engine.scheduler.num_preemptions > 0
+
+
+def test_prefix_cache_hits_at_several_depths(deepseek) -> None:
+    """Prompts sharing a first prompt's first 1, 2 and 4 blocks (and one ending mid-block): each starts from
+    the cached latents and continues as transformers does (no prompt logprobs: those recompute the prompt)."""
+    folder, hf_model = deepseek
+    llm = LLM(str(folder), dtype="float32", block_size=8)
+    base = llm.tokenizer.encode(PROMPTS[6])
+    llm.generate([base], SamplingParams(max_tokens=1))
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1)
+    for depth in (8, 16, 21, 32):
+        ids = base[:depth] + llm.tokenizer.encode(" and then the crew")
+        hits = llm.engine.kv.stats.hits
+        res = llm.generate([ids], params)[0]
+        assert llm.engine.kv.stats.hits - hits >= depth // 8 * 8 > 0
+        assert res.outputs[0].token_ids == hf_greedy(hf_model, ids, MAX_TOKENS), depth
+        with torch.no_grad():
+            ref = torch.log_softmax(hf_model(torch.tensor([ids + res.outputs[0].token_ids])).logits[0], dim=-1)
+        for i, lp in enumerate(res.outputs[0].logprobs, start=len(ids) - 1):
+            assert abs(lp.logprob - ref[i, lp.token_id].item()) < LOGPROB_TOL, depth
+
+
+def test_scoring_is_bit_identical_cold_cached_and_batched(deepseek, kernels: str) -> None:
+    """Canonical spans in block-aligned tiles, absorbed: the same bits however chunked, cached or batched,
+    with the native kernels' canonical matmuls and with torch's fixed-shape ones."""
+    folder, _ = deepseek
+    text = " ".join(["the invoice was charged twice and the login page times out"] * 9)
+    check_scoring_is_bit_identical(folder, text, kernels, dtype="float32")
+
+
+def test_decisions_reuse_a_shared_input(deepseek) -> None:
+    """Several questions over one input: the input's latents are computed once and the other questions' prompts
+    start from them (cached tokens > 0), their probabilities a distribution."""
+    import asyncio
+
+    from ladle.config import EngineConfig
+    from ladle.decisions.pipeline import decide
+    from ladle.decisions.question import Option, Question
+    from ladle.engine.async_engine import AsyncEngine
+    from ladle.engine.engine import LLMEngine
+
+    folder, _ = deepseek
+    engine = AsyncEngine(LLMEngine(EngineConfig(model=str(folder), dtype="float32")))
+    try:
+        text = "The integration keeps failing every night after the upgrade. " * 6
+        questions = [Question(f"q{i}", f"questions[{i}]", "choice", f"Which team should handle this ({i})?",
+                              [Option("billing"), Option("technical"), Option("sales")]) for i in range(3)]
+        result = asyncio.run(decide(engine, text, questions))
+    finally:
+        engine.shutdown()
+    assert result.cached_tokens > 0
+    for answer in result.answers:
+        assert sum(answer.scores.probabilities) == pytest.approx(1.0)
+
+
+def test_the_latent_cache_holds_one_vector_per_token(deepseek) -> None:
+    """Per layer and token: kv_lora_rank + rope numbers and no V; the pool is sized by what is stored, and the
+    start log's report says so."""
+    from ladle.engine.kv_report import describe_kv_bytes, kv_bytes_per_token
+
+    folder, _ = deepseek
+    cfg = ModelConfig.from_folder(folder)
+    for dtype in (torch.float32, torch.bfloat16):
+        want = 3 * (RANK + ROPE) * dtype.itemsize * 16
+        assert KVCache.bytes_per_block(3, 16, HEADS, ROPE, dtype, cfg.cache_layer_shapes) == want
+        assert kv_bytes_per_token(cfg, dtype) == {"latent": want // 16}
+    llm = LLM(str(folder), dtype="float32", num_kv_blocks=10)
+    cache = llm.engine.runner.kv_cache
+    assert tuple(cache.k.shape) == (3, 10, 16, 1, RANK + ROPE) and cache.v.numel() == 0
+    assert sum(t[:, 0].numel() * 4 for t in cache.tensors()) == llm.engine._bytes_per_block()
+    assert describe_kv_bytes(cfg, torch.float32) == f"latent {3 * (RANK + ROPE) * 4} B/token"
+
+
+def test_the_kv_report_of_a_full_attention_model() -> None:
+    from ladle.engine.kv_report import kv_bytes_per_token
+
+    cfg = ModelConfig.from_hf_dict({"model_type": "llama", "vocab_size": 10, "hidden_size": 64, "intermediate_size": 8,
+                                    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2})
+    assert kv_bytes_per_token(cfg, torch.bfloat16) == {"full": 2 * 2 * 2 * 16 * 2}
+
+
+def _attention_inputs(seed: int = 0):
+    """A latent cache of one layer holding a 37-token sequence's latents (blocks out of order), its queries, and
+    random per-head maps."""
+    from ladle.model.layers import Linear
+    from ladle.model.mla_attention import LatentHeads, MLAPagedAttention
+
+    gen = torch.Generator().manual_seed(seed)
+    n, bs = 37, 8
+    cache = KVCache(1, 8, bs, 1, RANK + ROPE, layer_shapes=((1, RANK + ROPE, 0),))
+    attention = MLAPagedAttention(cache, RANK, ROPE, (NOPE + ROPE) ** -0.5)
+    table = torch.tensor([5, 2, 7, 0, 3])
+    slots = torch.stack([table[p // bs] * bs + p % bs for p in range(n)])
+    latent, k_pe = torch.randn(n, RANK, generator=gen), torch.randn(n, ROPE, generator=gen)
+    attention.write(0, latent, k_pe, AttentionMetadata(slot_mapping=slots))
+    heads = LatentHeads.of(Linear(torch.randn(HEADS * (NOPE + V), RANK, generator=gen) * 0.3), HEADS, NOPE, V)
+    q_nope, q_pe = torch.randn(n, HEADS, NOPE, generator=gen), torch.randn(n, HEADS, ROPE, generator=gen)
+    return attention, table, latent, k_pe, heads, q_nope, q_pe
+
+
+def test_the_absorbed_decode_equals_the_decompressed_prompt_path() -> None:
+    """The last token's attention three ways: as a decode (absorbed, read through the block table), as the last
+    row of the whole prompt (decompressed into per-head K/V, SDPA) and as a canonical span (absorbed tiles)."""
+    attention, table, latent, k_pe, heads, q_nope, q_pe = _attention_inputs()
+    n = latent.shape[0]
+    prompt = AttentionMetadata(slot_mapping=torch.arange(n), prefills=[PrefillSpan(0, n, n, table)])
+    whole = attention.attend(0, q_nope, q_pe, latent, k_pe, heads, prompt)
+    decode = AttentionMetadata(slot_mapping=torch.tensor([0]), num_decodes=1, decode_block_tables=table[None],
+                               decode_context_lens=torch.tensor([n]))
+    attention.prepare(decode)
+    last = attention.attend(0, q_nope[-1:], q_pe[-1:], latent[-1:], k_pe[-1:], heads, decode)
+    assert torch.allclose(last, whole[-1:], atol=1e-5, rtol=1e-4)
+    # the prompt's second half continuing from the cache, and canonically from mid-block
+    rest = AttentionMetadata(slot_mapping=torch.arange(n - 20), prefills=[PrefillSpan(0, 20, n, table)])
+    assert torch.allclose(attention.attend(0, q_nope[-20:], q_pe[-20:], latent[-20:], k_pe[-20:], heads, rest),
+                          whole[-20:], atol=1e-5, rtol=1e-4)
+    rest.prefills[0].canonical = True
+    assert torch.allclose(attention.attend(0, q_nope[-20:], q_pe[-20:], latent[-20:], k_pe[-20:], heads, rest),
+                          whole[-20:], atol=1e-5, rtol=1e-4)
+
+
+def test_deepseek_runs_on_one_rank_only(deepseek) -> None:
+    """Tensor and expert parallel ranks build full K/V caches, not latent ones: refused at start, by name."""
+    from ladle.model.deepseek import DeepseekV3ForCausalLM
+    from ladle.model.sharding import Shard
+
+    folder, _ = deepseek
+    cfg = ModelConfig.from_folder(folder)
+    for shard in (Shard(0, 2), Shard(1, 2, expert_parallel=True)):
+        with pytest.raises(ValueError, match="DeepSeek V3 runs on one rank only"):
+            DeepseekV3ForCausalLM(cfg, {}, None, shard=shard)
