@@ -226,3 +226,5 @@ def test_deepseek_runs_on_one_rank_only(deepseek) -> None:
     for shard in (Shard(0, 2), Shard(1, 2, expert_parallel=True)):
         with pytest.raises(ValueError, match="DeepSeek V3 runs on one rank only"):
             DeepseekV3ForCausalLM(cfg, {}, None, shard=shard)
+    with pytest.raises(ValueError, match="DeepSeek V3 runs on one rank only"):  # through the engine's start
+        LLM(str(folder), dtype="float32", tensor_parallel_size=2)
