@@ -59,6 +59,8 @@ class EngineConfig:
     # the second KV tier (ladle.engine.kv_offload): evicted prefix blocks kept on local disk
     kv_offload_gib: float = 0.0  # 0: off
     kv_offload_dir: str | None = None  # where its files go (a private folder inside; None: the system temp dir)
+    # hybrid models (Qwen3.5, Qwen3-Next): linear-attention states kept at block boundaries of cached prefixes
+    max_state_snapshots: int = 64
     # disaggregated prefill/decode (ladle.distributed): this worker's role; None: serves whole requests only
     kv_transfer_config: KVTransferConfig | None = None
     # model parallelism (ladle.distributed.tensor_parallel): ranks that each compute a shard of the model
@@ -88,6 +90,8 @@ class EngineConfig:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, not {self.quantization!r}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.block_size < 1:
             raise ValueError("max_num_seqs, max_num_batched_tokens and block_size must be positive")
+        if self.max_state_snapshots < 0:
+            raise ValueError("max_state_snapshots (--max-state-snapshots) must be 0 or more")
         if self.lora_modules and not self.enable_lora:
             raise ValueError("lora_modules (--lora-modules) needs enable_lora (--enable-lora)")
         if self.max_loras < 1 or self.max_lora_rank < 1:
@@ -231,6 +235,10 @@ def add_engine_arguments(parser) -> None:
                         "ones are admitted first, so long thinking cannot starve short requests (0: off)")
     g.add_argument("--high-effort-tokens", type=int, default=EngineConfig.high_effort_tokens, metavar="N",
                    help="a request is high-effort when its thinking budget (else its max_tokens) exceeds N")
+    g.add_argument("--max-state-snapshots", type=int, default=EngineConfig.max_state_snapshots,
+                   help="hybrid models (Qwen3.5, Qwen3-Next): how many linear-attention states the prefix cache "
+                        "keeps, one per cached block boundary, least recently used dropped first; each costs one "
+                        "sequence's state (the start log says how much). A prefix hit ends where one is kept")
     g.add_argument("--kv-offload-gib", type=float, default=0.0,
                    help="a second KV tier: prefix blocks the cache evicts are kept in up to this much local disk "
                         "and read back on a later prefix hit instead of recomputed (0: off)")
@@ -301,6 +309,7 @@ def engine_config_from_args(args) -> EngineConfig:
         reasoning_parser=args.reasoning_parser, thinking_token_budget=args.thinking_token_budget,
         max_high_effort_seqs=args.max_high_effort_seqs, high_effort_tokens=args.high_effort_tokens,
         kv_offload_gib=args.kv_offload_gib, kv_offload_dir=args.kv_offload_dir,
+        max_state_snapshots=args.max_state_snapshots,
         kv_transfer_config=KVTransferConfig.parse(args.kv_transfer_config) if args.kv_transfer_config else None,
         tensor_parallel_size=args.tensor_parallel_size, enable_expert_parallel=args.enable_expert_parallel,
         distributed_executor_backend=args.distributed_executor_backend,

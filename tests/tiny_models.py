@@ -188,9 +188,11 @@ def build_tiny_model(kind: str, out: Path, tokenizer_from: Path, seed: int = 0, 
         cfg = MixtralConfig(**{"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None, **common},
                             rope_theta=1000000.0, tie_word_embeddings=False)
         model = MixtralForCausalLM(cfg)
+    elif kind in ("qwen3_5", "qwen3_5_moe", "qwen3_next"):
+        model = _tiny_hybrid(kind, common, config_overrides)
     else:
         raise ValueError(kind)
-    if kind.endswith("moe") or kind in ("mixtral", "gpt_oss"):
+    if kind.endswith("moe") or kind in ("mixtral", "gpt_oss", "qwen3_next"):
         _spread_router(model)
     model.save_pretrained(out)
     if kind == "gpt_oss":
@@ -200,6 +202,39 @@ def build_tiny_model(kind: str, out: Path, tokenizer_from: Path, seed: int = 0, 
         if (tokenizer_from / name).exists():
             shutil.copy(tokenizer_from / name, out / name)
     return out
+
+
+def _tiny_hybrid(kind: str, common: dict, overrides: dict):
+    """Qwen3.5 (dense or MoE) or Qwen3-Next: Gated DeltaNet layers (2 key heads, 4 value heads of 16, a
+    kernel of 4) and full-attention layers alternating, heads of 32 of which 8 rotate, every norm's weight
+    spread around its centre (0: Qwen3.5 multiplies by 1 + weight) so a missed offset shows. The MoE ones
+    route to 2 of 8 experts beside a gated shared expert."""
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig, Qwen3_5TextConfig
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    layers = overrides.get("num_hidden_layers", 4)
+    hybrid = {"num_hidden_layers": layers, "head_dim": 32, "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+              "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4, "tie_word_embeddings": True,
+              "layer_types": ["linear_attention", "full_attention"] * (layers // 2),
+              "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}}
+    moe = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+           "shared_expert_intermediate_size": 48}
+    config = {**common, **hybrid, **(moe if kind != "qwen3_5" else {}), **overrides}
+    if kind == "qwen3_5":
+        model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**config))
+    elif kind == "qwen3_5_moe":
+        model = Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**config))
+    else:
+        model = Qwen3NextForCausalLM(Qwen3NextConfig(**{"norm_topk_prob": True, **config}))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight") and "linear_attn" not in name:
+                param.uniform_(-0.6, 0.6)
+            elif name.endswith("linear_attn.norm.weight"):
+                param.uniform_(0.5, 1.5)
+            elif name.endswith("dt_bias"):
+                param.normal_(0, 1.0)
+    return model
 
 
 def _tiny_gemma4(common: dict, overrides: dict, with_vision: bool = False):

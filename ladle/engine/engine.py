@@ -16,8 +16,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from ladle.config import EngineConfig
-from ladle.engine.kv_cache import KVCacheManager
 from ladle.engine.handoff import HandoffStats, KVExports, KVHandoff, block_writer, export_handoff, handoff_mismatch
+from ladle.engine.hybrid import check_hybrid, start_states
+from ladle.engine.kv_cache import KVCacheManager
 from ladle.engine.kv_events import KVEventLog
 from ladle.engine.kv_report import describe_kv_bytes
 from ladle.engine.prefix_cache import root_digest
@@ -88,10 +89,14 @@ class LLMEngine:
         self.isa = self.platform.kernels
         log.info("device %s; compute dtype %s (%s); KV cache %s; kernels: %s", self.platform.describe(),
                  self.dtype.name, self.dtype.reason, kv_name, self.isa)
+        check_hybrid(config, self.model_config)
         num_blocks = self._fixed_num_blocks()
         self.runner = ModelRunner(self.model_config, self._weights(folder), num_blocks, config.block_size,
                                   self.kv_dtype, self._quantization(),
                                   self._parallel_spec(folder, num_blocks), self.platform)
+        states = start_states(config, self.model_config)
+        if states is not None:
+            self.runner.allocate_states(states.num_slots)
         if num_blocks is None:  # the platform measures what is left for it
             num_blocks = self._measured_num_blocks()
             self.runner.allocate_kv_cache(num_blocks)
@@ -100,7 +105,7 @@ class LLMEngine:
                  kv_name, describe_kv_bytes(self.model_config, self.kv_dtype))
         window = self._kv_window()
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
-                                 cache_outputs=not config.deterministic, window=window)
+                                 cache_outputs=not config.deterministic, window=window, states=states)
         model_len = config.max_model_len or self.model_config.max_position_embeddings
         if window is not None and self._peak_tokens_held(window) <= pool_tokens:
             pool_tokens = model_len  # a sequence holds its window and a step's tokens, however long it is
@@ -109,7 +114,7 @@ class LLMEngine:
         self.max_model_len = min(model_len, pool_tokens, self.model_config.max_position_embeddings)
         self.kv_events = self._start_kv_events()
         self.scheduler = Scheduler(config, self.kv)
-        if self.platform.graphs and not config.enforce_eager:
+        if self.platform.graphs and not config.enforce_eager and states is None:  # the states are not graphed
             self.runner.capture_decode_graphs(config.max_num_seqs, self.max_model_len)
         self.sampler = Sampler(config.seed)
         if config.kv_offload_gib > 0:

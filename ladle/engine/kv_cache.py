@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 
 from ladle.engine.prefix_cache import HOLLOW, Node, RadixCache, chain_digest
 from ladle.engine.request import Sequence
+from ladle.engine.state_cache import StateCache
 
 if TYPE_CHECKING:
     import torch
@@ -100,8 +101,11 @@ class BlockPool:
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 cache_outputs: bool = True, window: int | None = None):
+                 cache_outputs: bool = True, window: int | None = None, states: StateCache | None = None):
+        """states: a hybrid model's linear-attention state slots (a prefix hit ends only where a
+        snapshot of the state is kept)."""
         self.block_size = block_size
+        self.states = states
         self.window = window
         # False in deterministic mode: generated tokens' K/V came from single-token steps,
         # which match a later prompt's prefill bit for bit only with the native kernels.
@@ -150,6 +154,9 @@ class KVCacheManager:
         """seq's longest cached path whose blocks hold all the K/V a prompt continuing it needs."""
         path = self.cache.match(seq.token_ids, self._max_match_blocks(seq), canonical_only=seq.canonical,
                                 namespace=seq.adapter_id)
+        if self.states is not None:  # the state must be restorable where the hit ends
+            while path and path[-1].snapshot is None:
+                path.pop()
         if self.window is None:
             return path
         for k in range(len(path), 0, -1):
@@ -190,9 +197,13 @@ class KVCacheManager:
     def match_prefix(self, seq: Sequence) -> int:
         """Start a fresh sequence on its longest cached prefix; returns the tokens skipped."""
         assert not seq.block_table and seq.num_computed_tokens == 0
+        if self.states is not None and seq.state_slot is None:
+            seq.state_slot = self.states.take_running()
         if not self.reuses_prefix(seq):
             return 0
         path = self._match(seq)
+        if self.states is not None:  # no second tier and no partial blocks: the state exists at block ends only
+            return self._match_hybrid(seq, path)
         needed = self.first_needed_block(len(path) * self.block_size)
         for node in path[needed:]:
             self._ref(node.block_id)
@@ -203,6 +214,31 @@ class KVCacheManager:
         self._reuse_partial_block(seq, None if last.parent is None else last)
         self.release_pins(seq)
         return seq.num_computed_tokens
+
+    def _match_hybrid(self, seq: Sequence, path: list[Node]) -> int:
+        """Start seq on path, its state restored from the snapshot at the path's end."""
+        for node in path:
+            self._ref(node.block_id)
+        seq.block_table = [node.block_id for node in path]
+        seq.num_cached_blocks = len(path)
+        seq.num_computed_tokens = len(path) * self.block_size
+        seq.cached_tail = path[-1] if path else None
+        if path:
+            seq.state_restore = path[-1].snapshot
+            self.states.touch(path[-1])
+        self.release_pins(seq)
+        return seq.num_computed_tokens
+
+    def plan_snapshots(self, seq: Sequence, num_new_tokens: int) -> None:
+        """Hybrid models: a snapshot slot for each block boundary of seq's prompt that its next
+        num_new_tokens tokens reach, which the step writes and cache_full_blocks hands to the block's node."""
+        if self.states is None or self.cache is None:
+            return
+        bs, start = self.block_size, seq.num_computed_tokens
+        end = min(start + num_new_tokens, seq.num_prompt_tokens)
+        for boundary in reversed(range((start // bs + 1) * bs, end + 1, bs)):  # the deepest first, where slots are few
+            if boundary not in seq.pending_snapshots and (slot := self.states.take_snapshot()) is not None:
+                seq.pending_snapshots[boundary] = slot
 
     def import_prefix(self, tokens: list[int], blocks: list, write: Callable[[int, list], None]) -> list[int]:
         """Enter K/V computed elsewhere for the leading blocks of tokens (the last may be partly
@@ -317,17 +353,35 @@ class KVCacheManager:
         for k in range(seq.num_cached_blocks, full):
             parent = self._cached_parent(seq, k)
             if (k and parent is None) or seq.block_table[k] == HOLLOW:
-                return
+                break
             key = tuple(seq.token_ids[k * bs : (k + 1) * bs])
             node = seq.cached_tail = self.cache.insert(parent, key, seq.block_table[k], seq.canonical, seq.adapter_id)
+            replaced = seq.canonical and not node.canonical
+            if self.states is not None:
+                self._hand_snapshot(seq, node, (k + 1) * bs, replaced)
             if node.block_id != seq.block_table[k]:  # someone cached the same tokens first
-                if seq.canonical and not node.canonical:
+                if replaced:
                     self._replace_with_canonical(node, seq.block_table[k])
                 else:  # share theirs, return ours
                     self._ref(node.block_id)
                     self._unref(seq.block_table[k])
                     seq.block_table[k] = node.block_id
             seq.num_cached_blocks = k + 1
+        self._release_snapshots(seq, upto=computed)
+
+    def _hand_snapshot(self, seq: Sequence, node: Node, boundary: int, canonical_takes_over: bool) -> None:
+        """Give node seq's snapshot of the state at its block's end; where a canonical block takes the node
+        over, a batched sequence's snapshot goes (its bits may differ) whether or not seq has one."""
+        snapshot = seq.pending_snapshots.pop(boundary, None)
+        if canonical_takes_over:
+            self.states.forget(node)
+        if snapshot is not None:
+            self.states.attach(snapshot, node)
+
+    def _release_snapshots(self, seq: Sequence, upto: int | None = None) -> None:
+        """Give back seq's pending snapshots at boundaries up to `upto` (all of them: None) that no node took."""
+        for boundary in [b for b in seq.pending_snapshots if upto is None or b <= upto]:
+            self.states.release(seq.pending_snapshots.pop(boundary))
 
     def _cached_parent(self, seq: Sequence, k: int) -> Node | None:
         """The tree node seq's block k (its next to cache: k == seq.num_cached_blocks) goes under: None for
@@ -375,8 +429,10 @@ class KVCacheManager:
         preempted one) its last, partly filled block stays cached too, so a prompt that extends
         seq's tokens copies them instead of computing them again."""
         self.release_pins(seq)
-        if keep_partial and self.cache is not None:
+        if keep_partial and self.cache is not None and self.states is None:
             self._cache_partial_block(seq)
+        if self.states is not None:
+            self._release_states(seq)
         # Tail first: leaves become evictable before their parents, and the free list
         # hands a sequence's blocks out in order again.
         for b in reversed(seq.block_table):
@@ -386,6 +442,12 @@ class KVCacheManager:
         seq.num_cached_blocks = 0
         seq.cached_tail = None
         seq.pending_copy = seq.in_step_copy = None
+
+    def _release_states(self, seq: Sequence) -> None:
+        self._release_snapshots(seq)
+        if seq.state_slot is not None:
+            self.states.give_back_running(seq.state_slot)
+        seq.state_slot = seq.state_restore = None
 
     def _cache_partial_block(self, seq: Sequence) -> None:
         """Enter seq's partly filled last block as a leaf keyed by the tokens it holds. Only where
@@ -427,6 +489,7 @@ class KVCacheManager:
         if self.cache is None:
             return True
         while (evicted := self.cache.evict_lru(lambda b: self.pool.ref_counts[b] == 0)) is not None:
+            self._forget_snapshot(evicted[0])
             self.num_cached_unreferenced -= 1  # dropped, not evicted for room: no eviction counted
             self.pool.free_ids.append(evicted[1])
         if self.offload is not None:
@@ -437,8 +500,13 @@ class KVCacheManager:
         evicted = self.cache.evict_lru(lambda b: self.pool.ref_counts[b] == 0) if self.cache else None
         assert evicted is not None, "no block to evict although the count said there was"
         node, block = evicted
+        self._forget_snapshot(node)
         if self.offload is not None and len(node.key) == self.block_size:  # before anything writes over it
             self.offload.tier.store(node.digest, self.offload.block_views(block), node.canonical)
         self.num_cached_unreferenced -= 1
         self.stats.evictions += 1
         self.pool.free_ids.append(block)
+
+    def _forget_snapshot(self, node: Node) -> None:
+        if self.states is not None:
+            self.states.forget(node)

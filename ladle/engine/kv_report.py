@@ -1,5 +1,6 @@
 """What the KV pool holds per token, by attention kind, for the engine's start log: "full" (K and V of every
-KV head, the Llama family's), "latent" (MLA's one vector of kv_lora_rank + rope per layer, DeepSeek V3's)."""
+KV head, the Llama family's), "latent" (MLA's one vector of kv_lora_rank + rope per layer, DeepSeek V3's); and
+"linear", the fixed-size state a hybrid model's linear-attention layers keep per sequence (Qwen3.5's)."""
 
 from __future__ import annotations
 
@@ -18,5 +19,9 @@ def kv_bytes_per_token(cfg: ModelConfig, kv_dtype: torch.dtype) -> dict[str, int
 
 
 def describe_kv_bytes(cfg: ModelConfig, kv_dtype: torch.dtype) -> str:
-    """kv_bytes_per_token as the start log says it, e.g. "full 9216 B/token"."""
-    return ", ".join(f"{kind} {n} B/token" for kind, n in kv_bytes_per_token(cfg, kv_dtype).items())
+    """kv_bytes_per_token as the start log says it, e.g. "full 9216 B/token", and a hybrid model's linear layers'
+    state, which is per sequence, not per token: "full 4096 B/token, linear 81920 B/sequence"."""
+    kinds = [f"{kind} {n} B/token" for kind, n in kv_bytes_per_token(cfg, kv_dtype).items()]
+    if cfg.hybrid is not None:
+        kinds.append(f"linear {cfg.hybrid.state_bytes} B/sequence")
+    return ", ".join(kinds)

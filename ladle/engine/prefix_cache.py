@@ -53,6 +53,7 @@ class Node:
     digest: bytes = b""  # of the namespace and every token from the root through this block
     namespace: int = 0  # the tree it is in: 0 for the base model, else a LoRA adapter's id
     detached: bool = False  # removed from the tree
+    snapshot: int | None = None  # hybrid models: the state slot holding the state once this block is computed
 
     @property
     def hollow(self) -> bool:

@@ -71,6 +71,12 @@ class Sequence:
     # this step's forward, right after the step wrote them: the sequence shares the start
     # of a prompt another sequence computes in the same step.
     in_step_copy: tuple[int, int, int] | None = None
+    # hybrid models (ladle.engine.state_cache): its linear-attention state slot, the snapshot slot the runner
+    # restores into it before its next forward (a prefix hit), and the snapshots its planned steps write
+    # (block boundary -> snapshot slot)
+    state_slot: int | None = None
+    state_restore: int | None = None
+    pending_snapshots: dict[int, int] = field(default_factory=dict)
     generator: "torch.Generator | None" = None
     grammar: "GrammarState | None" = None  # params.structured_outputs: where the output is in it
     reasoning: "ReasoningTracker | None" = None  # --reasoning-parser: its think block and budget

@@ -20,6 +20,7 @@ from ladle.lora.adapter import AdapterRef, AdapterWeights
 from ladle.lora.slots import LoRABatch, LoRASlots
 from ladle.model.attention import AttentionMetadata, CanonicalRows, KVCache, PrefillSpan, padded_block_tables
 from ladle.model.config import ModelConfig
+from ladle.model.linear_attention import LinearStatePool, SpanStates, StateMetadata
 from ladle.model.llama import KeptStates
 from ladle.model.registry import causal_lm_class
 from ladle.platform import CpuPlatform, Platform
@@ -103,6 +104,9 @@ class ModelRunner:
             table = torch.arange(block, block + -(-n // self.block_size))
             meta.prefills.append(PrefillSpan(row, row + n, n, table))
             row, block = row + n, block + len(table)
+        if self.model.states is not None:  # every span from zeros, in slot 0
+            meta.states = StateMetadata(torch.zeros(0, dtype=torch.int64, device=self.device),
+                                        [SpanStates(0, 0, fresh=True) for _ in lens])
         positions = torch.cat([torch.arange(n) for n in lens]).to(self.device)
         hidden = self.model.forward(torch.zeros(num_tokens, dtype=torch.int64, device=self.device), positions, meta)
         self.model.compute_logits(hidden[-1:].expand(num_rows, -1).contiguous())
@@ -231,7 +235,30 @@ class ModelRunner:
         if canonical:
             meta.canonical = CanonicalRows.of(canonical)
             meta.batch_invariant = True
+        if self.model.states is not None:
+            meta.states = self._state_metadata(batch, len(decodes))
         return meta
+
+    def _state_metadata(self, batch: list[ScheduledSeq], num_decodes: int) -> StateMetadata:
+        """Hybrid models: each sequence's state slot, where its state starts from, and the snapshots it
+        writes this step (then the restores are done with)."""
+        meta = StateMetadata(decode_slots=self._tensor([item.seq.state_slot for item in batch[:num_decodes]]))
+        for row, item in enumerate(batch):
+            seq, start = item.seq, item.seq.num_computed_tokens
+            end = start + item.num_new_tokens
+            snapshots = [(b - start, slot) for b, slot in seq.pending_snapshots.items() if start < b <= end]
+            if row < num_decodes:
+                meta.decode_snapshots += [(row, slot) for _, slot in snapshots]
+                meta.decode_fresh += [row] if start == 0 else []
+                meta.decode_restores += [(seq.state_restore, seq.state_slot)] if seq.state_restore is not None else []
+            else:
+                meta.spans.append(SpanStates(seq.state_slot, start, start == 0, seq.state_restore, snapshots))
+            seq.state_restore = None
+        return meta
+
+    def allocate_states(self, num_slots: int) -> None:
+        """A hybrid model's linear-attention state pool of num_slots slots (ladle.engine.state_cache)."""
+        self.model.states = LinearStatePool(self.cfg.hybrid, num_slots, self.device)
 
     def _set_decodes(self, meta: AttentionMetadata, seqs: list[Sequence], ctx: torch.Tensor) -> None:
         """The batch's first rows are one token each of `seqs`, attending to ctx[i] tokens."""

@@ -90,6 +90,7 @@ class Scheduler:
                     break
             else:
                 plan.add(seq, n)
+                self.kv.plan_snapshots(seq, n)
         if not plan.out.preempted:
             self._admit(plan)
         plan.out.scheduled = list(plan.planned.values())
@@ -107,7 +108,12 @@ class Scheduler:
                 if self._preempt_for(seq, plan):
                     continue
                 break
-            hit = self._share_in_flight(seq, plan, self.kv.match_prefix(seq))
+            hit = self.kv.match_prefix(seq)
+            if self._waits_for_state(seq, plan, hit):
+                self.kv.free(seq)
+                seq.num_computed_tokens = 0
+                break
+            hit = self._share_in_flight(seq, plan, hit)
             n = self._chunk(seq, plan.budget)
             if n == 0 or not self.kv.allocate_slots(seq, n):
                 self.kv.free(seq)
@@ -122,6 +128,7 @@ class Scheduler:
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             plan.add(seq, n)
+            self.kv.plan_snapshots(seq, n)
         self.waiting[:0] = no_slot
 
     def _adapter_fits(self, seq: Sequence) -> bool:
@@ -147,8 +154,25 @@ class Scheduler:
         """Start seq further on when a sequence this step computes shares more of its prompt
         than the prefix cache holds (requests sharing a prefix that arrive together: the
         first computes it, the others join in the same step). Returns the tokens skipped."""
-        if not self.kv.reuses_prefix(seq):
+        if not self.kv.reuses_prefix(seq) or self.kv.states is not None:
             return hit
+        best, best_len = self._in_flight_source(seq, plan, hit)
+        if best is None:
+            return hit
+        plan.sources.add(best.seq_id)
+        return self.kv.share_in_flight(seq, best, best_len)
+
+    def _waits_for_state(self, seq: Sequence, plan: _StepPlan, hit: int) -> bool:
+        """Hybrid models: a sequence this step computes covers a whole block more of seq's prompt than
+        its hit. seq cannot join it mid-step (its state exists only once the step has run), so it waits
+        for the next step, when that block is cached with a snapshot of the state."""
+        if self.kv.states is None or not self.kv.reuses_prefix(seq):
+            return False
+        _, shared = self._in_flight_source(seq, plan, hit)
+        return shared // self.config.block_size > hit // self.config.block_size
+
+    def _in_flight_source(self, seq: Sequence, plan: _StepPlan, hit: int) -> tuple[Sequence | None, int]:
+        """The planned sequence that computes the most of seq's prompt beyond hit, and how far they agree."""
         best, best_len = None, hit
         for item in plan.planned.values():
             src = item.seq
@@ -159,10 +183,7 @@ class Scheduler:
                 end = min(end, src.num_prompt_tokens)
             if end > best_len and (n := common_prefix_len(seq.token_ids, src.token_ids, end)) > best_len:
                 best, best_len = src, n
-        if best is None:
-            return hit
-        plan.sources.add(best.seq_id)
-        return self.kv.share_in_flight(seq, best, best_len)
+        return best, best_len
 
     def _order_waiting(self) -> None:
         if self.config.scheduling_policy == "lpm":

@@ -7,10 +7,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+# Gated DeltaNet layers beside full-attention ones: Qwen3.5 (dense and MoE) and Qwen3-Next
+HYBRID_ARCHITECTURES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "qwen2_moe", "qwen3_moe", "mixtral", "gemma3_text",
-                           "gemma4_text", "gpt_oss")
+                           "gemma4_text", "gpt_oss", *HYBRID_ARCHITECTURES)
 GEMMA_ARCHITECTURES = ("gemma3_text", "gemma4_text")
-MOE_ARCHITECTURES = ("qwen2_moe", "qwen3_moe", "mixtral", "gpt_oss")
+MOE_ARCHITECTURES = ("qwen2_moe", "qwen3_moe", "mixtral", "gpt_oss", "qwen3_5_moe_text", "qwen3_next")
+
+SHARED_EXPERT_MOE = ("qwen2_moe", "qwen3_next")  # a dense expert every token takes, sigmoid-gated
 
 MLA_ARCHITECTURES = ("deepseek_v3",)  # multi-head latent attention (ladle.model.mla), routed experts
 SUPPORTED_ARCHITECTURES += MLA_ARCHITECTURES
@@ -58,12 +62,15 @@ class MoEConfig:
         if model_type == "mixtral":
             return cls(num_experts, d["num_experts_per_tok"], d["intermediate_size"], True,
                        sparse_layers=frozenset(range(num_layers)))
+        if model_type == "qwen3_5_moe_text":  # every layer routes, the top k renormalised, beside a shared expert
+            return cls(num_experts, d["num_experts_per_tok"], d["moe_intermediate_size"], True,
+                       d["shared_expert_intermediate_size"], frozenset(range(num_layers)))
         step = d.get("decoder_sparse_step", 1) or 1
         dense = set(d.get("mlp_only_layers") or [])
         sparse = frozenset(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
         return cls(num_experts, d["num_experts_per_tok"], d["moe_intermediate_size"],
                    bool(d.get("norm_topk_prob", False)),
-                   d.get("shared_expert_intermediate_size", 0) if model_type == "qwen2_moe" else 0, sparse)
+                   d.get("shared_expert_intermediate_size", 0) if model_type in SHARED_EXPERT_MOE else 0, sparse)
 
     @classmethod
     def _deepseek(cls, d: dict[str, Any], num_layers: int) -> "MoEConfig":
@@ -226,6 +233,52 @@ def _rope_scaling(rope: dict[str, Any] | None) -> dict[str, Any] | None:
 
 
 @dataclass
+class HybridConfig:
+    """Qwen3.5's and Qwen3-Next's departures from Llama: most layers are Gated DeltaNet (linear attention,
+    ladle.model.gated_delta) with a fixed-size state per sequence; the rest attend over the whole context
+    with an output gate (q_proj doubled: each head's query, then its gate) and rotate only the first
+    rotary_dim numbers of each head. Their norms multiply by (1 + weight)."""
+
+    linear_layers: frozenset[int]
+    key_heads: int
+    value_heads: int
+    key_dim: int
+    value_dim: int
+    conv_kernel: int
+    rotary_dim: int
+    fused_projections: bool = False  # Qwen3-Next: in_proj_qkvz and in_proj_ba, grouped by key head
+
+    @property
+    def conv_channels(self) -> int:
+        """The short convolution's channels: q, k and v side by side."""
+        return 2 * self.key_heads * self.key_dim + self.value_heads * self.value_dim
+
+    @property
+    def state_bytes(self) -> int:
+        """One sequence's state over every linear layer: the convolution's last inputs and the delta rule's
+        matrices, float32."""
+        per_layer = self.conv_channels * (self.conv_kernel - 1) + self.value_heads * self.key_dim * self.value_dim
+        return 4 * per_layer * len(self.linear_layers)
+
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any], model_type: str, head_dim: int) -> "HybridConfig":
+        kinds = d.get("layer_types") or [
+            "full_attention" if (i + 1) % d.get("full_attention_interval", 4) == 0 else "linear_attention"
+            for i in range(d["num_hidden_layers"])]
+        rope = d.get("rope_parameters") or {}
+        factor = float(rope.get("partial_rotary_factor", d.get("partial_rotary_factor", 0.25)))
+        return cls(frozenset(i for i, kind in enumerate(kinds) if kind == "linear_attention"),
+                   d["linear_num_key_heads"], d["linear_num_value_heads"], d["linear_key_head_dim"],
+                   d["linear_value_head_dim"], d["linear_conv_kernel_dim"], int(head_dim * factor),
+                   fused_projections=model_type == "qwen3_next")
+
+
+def hybrid_text_config(d: dict[str, Any]) -> dict[str, Any]:
+    """Qwen3.5's image-and-text checkpoints (qwen3_5, qwen3_5_moe): their language model's config."""
+    return {**d.get("text_config", {}), "model_type": d["model_type"] + "_text"}
+
+
+@dataclass
 class ModelConfig:
     model_type: str
     vocab_size: int
@@ -255,10 +308,26 @@ class ModelConfig:
     # empty: every layer has the model's
     layer_attention_shapes: tuple[tuple[int, int], ...] = ()
     mla: MLAConfig | None = None  # DeepSeek V3: multi-head latent attention, a latent vector cached per token
+    hybrid: HybridConfig | None = None  # Qwen3.5, Qwen3-Next: linear-attention layers beside full ones
+
+    @property
+    def norm_offset(self) -> float:
+        """What the RMSNorms add to their weight before multiplying (Gemma 3's, Qwen3.5's: 1)."""
+        if self.gemma is not None:
+            return self.gemma.norm_offset
+        return 1.0 if self.hybrid is not None else 0.0
+
+    @property
+    def kv_layers(self) -> tuple[int, ...]:
+        """The layers that keep K/V in the paged cache, in cache order (a hybrid's full-attention ones)."""
+        layers = range(self.num_kv_layers) if self.hybrid is None else range(self.num_hidden_layers)
+        return tuple(i for i in layers if self.hybrid is None or i not in self.hybrid.linear_layers)
 
     @property
     def num_kv_layers(self) -> int:
         """How many layers hold K/V in the cache: the first ones (Gemma 4's KV-shared layers, last, hold none)."""
+        if self.hybrid is not None:
+            return self.num_hidden_layers - len(self.hybrid.linear_layers)
         return self.num_hidden_layers - (len(self.gemma.kv_sources) if self.gemma is not None else 0)
 
     @property
@@ -295,6 +364,8 @@ class ModelConfig:
             d = gemma3_text_config(d)
         elif d.get("model_type") in ("gemma4", "gemma4_text"):  # and Gemma 4's, or its text-only model
             d = gemma4_text_config(d)
+        elif d.get("model_type") in ("qwen3_5", "qwen3_5_moe"):
+            d = hybrid_text_config(d)
         model_type = d.get("model_type", "llama")
         if model_type not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
@@ -325,7 +396,7 @@ class ModelConfig:
             model_type=model_type,
             vocab_size=d["vocab_size"],
             hidden_size=d["hidden_size"],
-            intermediate_size=d["intermediate_size"],
+            intermediate_size=d.get("intermediate_size") or 0,  # Qwen3.5-MoE has no dense MLP
             num_hidden_layers=d["num_hidden_layers"],
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,
@@ -336,7 +407,7 @@ class ModelConfig:
             max_position_embeddings=max_positions,
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=bool(d.get("attention_bias", d.get("qkv_bias", model_type in ("qwen2", "qwen2_moe")))),
-            qk_norm=model_type in ("qwen3", "qwen3_moe", *GEMMA_ARCHITECTURES),
+            qk_norm=model_type in ("qwen3", "qwen3_moe", *GEMMA_ARCHITECTURES, *HYBRID_ARCHITECTURES),
             o_proj_bias=(model_type == "gpt_oss" and bool(d.get("attention_bias", True)))
             or (model_type == "gemma4_text" and bool(d.get("attention_bias"))),
             attention_sinks=model_type == "gpt_oss",
@@ -349,6 +420,7 @@ class ModelConfig:
             gemma=gemma,
             layer_attention_shapes=shapes,
             mla=MLAConfig.from_hf_dict(d) if model_type in MLA_ARCHITECTURES else None,
+            hybrid=HybridConfig.from_hf_dict(d, model_type, head_dim) if model_type in HYBRID_ARCHITECTURES else None,
         )
 
     @classmethod

@@ -24,6 +24,7 @@ from ladle.model.collectives import Single
 from ladle.model.config import ModelConfig
 from ladle.model.kernels.routing import MatmulRouting, choose_routing, forced_routing
 from ladle.model.layers import Linear, RotaryEmbedding
+from ladle.model.linear_attention import LinearAttentionLayer, LinearStatePool, load_linear_attention
 from ladle.model.moe import MoEBlock, load_gemma4_moe_block, load_moe_block
 from ladle.model.ops import TORCH_OPS, LayerOps
 from ladle.model.quantization import GroupedWeight, cat_weights, choose_prefill_route, make_linear
@@ -58,13 +59,16 @@ class DecoderLayerWeights:
     per_layer_projection: Linear | None = None
     per_layer_norm: torch.Tensor | None = None
     layer_scalar: torch.Tensor | None = None  # Gemma 4: multiplies the residual stream after the layer
+    attn_gate: bool = False  # Qwen3.5: qkv also holds an output gate per head, after v
+    linear_attn: LinearAttentionLayer | None = None  # Qwen3.5's Gated DeltaNet layers, in place of attention
 
     @property
     def linears(self) -> tuple[Linear, ...]:
         mlp = (tuple(self.moe.linears) if self.moe is not None else ()) + \
             ((self.gate_up, self.down) if self.gate_up is not None else ())
         per_layer = (self.per_layer_gate, self.per_layer_projection) if self.per_layer_gate is not None else ()
-        return (self.qkv, self.o_proj) + mlp + per_layer
+        mixer = self.linear_attn.linears if self.linear_attn is not None else (self.qkv, self.o_proj)
+        return mixer + mlp + per_layer
 
 
 def _layer_weights(w: dict[str, torch.Tensor | GroupedWeight], i: int, cfg: ModelConfig, shard: Shard,
@@ -81,6 +85,17 @@ def _layer_weights(w: dict[str, torch.Tensor | GroupedWeight], i: int, cfg: Mode
     k_eq_v = gemma4 and cfg.gemma.attention_k_eq_v and i in cfg.gemma.full_layers
     kv_source = cfg.gemma.kv_sources.get(i) if gemma4 else None
     projections = "q" if kv_source is not None else "qk" if k_eq_v else "qkv"
+    hybrid = cfg.hybrid
+    linear_attn = None
+    if hybrid is not None and i in hybrid.linear_layers:
+        index = sorted(hybrid.linear_layers).index(i)
+        linear_attn = load_linear_attention(w, i, index, hybrid, cfg.rms_norm_eps, linear)
+    elif hybrid is not None:  # each head's query rows, then its gate's: the gates go after v
+        q_and_gate = w.pop(attn + "q_proj.weight").view(cfg.num_attention_heads, 2, d, -1)
+        w[attn + "q_proj.weight"] = q_and_gate[:, 0].reshape(-1, q_and_gate.shape[-1])
+        w[attn + "g_proj.weight"] = q_and_gate[:, 1].reshape(-1, q_and_gate.shape[-1])
+        projections += "g"
+        spans["g"] = spans["q"]
     bias = None
     if cfg.attention_bias:
         bias = torch.cat([shard.rows(w.pop(attn + f"{n}_proj.bias"), spans[n]) for n in projections])
@@ -94,10 +109,15 @@ def _layer_weights(w: dict[str, torch.Tensor | GroupedWeight], i: int, cfg: Mode
         gate, up = shard.column_parallel([w.pop(p + "mlp.gate_proj.weight"), w.pop(p + "mlp.up_proj.weight")])
         down_w = w.pop(p + "mlp.down_proj.weight")
         gate_up, down = linear(cat([gate, up]), None), linear(shard.columns(down_w, shard.span(down_w.shape[1])), None)
-    o_proj = w.pop(attn + "o_proj.weight")
 
     def norm(name: str) -> torch.Tensor:
         return _norm_weight(w.pop(name), cfg)
+
+    if linear_attn is not None:
+        return DecoderLayerWeights(input_norm=norm(p + "input_layernorm.weight"), qkv=None, q_norm=None, k_norm=None,
+                                   o_proj=None, post_attn_norm=norm(p + "post_attention_layernorm.weight"),
+                                   gate_up=gate_up, down=down, moe=moe, linear_attn=linear_attn)
+    o_proj = w.pop(attn + "o_proj.weight")
 
     per_layer = gemma4 and cfg.gemma.per_layer_input_size > 0
     return DecoderLayerWeights(
@@ -118,16 +138,17 @@ def _layer_weights(w: dict[str, torch.Tensor | GroupedWeight], i: int, cfg: Mode
         per_layer_gate=linear(w.pop(p + "per_layer_input_gate.weight"), None) if per_layer else None,
         per_layer_projection=linear(w.pop(p + "per_layer_projection.weight"), None) if per_layer else None,
         per_layer_norm=norm(p + "post_per_layer_input_norm.weight") if per_layer else None,
+        attn_gate=hybrid is not None,
         dense_out_norm=norm(p + "post_feedforward_layernorm_1.weight") if gemma4 and moe else None,
         experts_out_norm=norm(p + "post_feedforward_layernorm_2.weight") if gemma4 and moe else None,
     )
 
 
 def _norm_weight(weight: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
-    """An RMSNorm's scale as ladle multiplies by it: Gemma's norms multiply by (1 + weight) (Gemma 3) or
-    by weight (Gemma 4), kept in float32, where transformers multiplies before rounding to the compute
-    dtype (layers.rms_norm)."""
-    return cfg.gemma.norm_offset + weight.float() if cfg.gemma is not None else weight
+    """An RMSNorm's scale as ladle multiplies by it: Gemma's and Qwen3.5's norms multiply by (1 + weight)
+    (Gemma 3, Qwen3.5) or by weight (Gemma 4), kept in float32, where transformers multiplies before
+    rounding to the compute dtype (layers.rms_norm)."""
+    return cfg.norm_offset + weight.float() if cfg.gemma is not None or cfg.hybrid is not None else weight
 
 
 @dataclass
@@ -223,7 +244,11 @@ class LlamaForCausalLM:
             self.embed_scale = torch.tensor(cfg.hidden_size**0.5).to(dtype)  # rounded to the dtype, as transformers
             self.act = ops.gelu_tanh_and_mul
         self.kv_sources = frozenset(cfg.gemma.kv_sources.values()) if cfg.gemma is not None else frozenset()
-        self.rotary = RotaryEmbedding(self._head_dim(local=False), cfg.max_position_embeddings, cfg.rope_theta,
+        # Qwen3.5 rotates only the first rotary_dim numbers of each head
+        self.rotary_dim = cfg.hybrid.rotary_dim if cfg.hybrid is not None else self._head_dim(local=False)
+        self.cache_layers = {layer: index for index, layer in enumerate(cfg.kv_layers)}
+        self.states: LinearStatePool | None = None  # hybrid models: the engine sets the linear layers' state pool
+        self.rotary = RotaryEmbedding(self.rotary_dim, cfg.max_position_embeddings, cfg.rope_theta,
                                       cfg.rope_scaling, device=self.embed.device)
         for lin in self.linears:  # now, not on the first canonical (scoring) request
             lin.pack()
@@ -281,9 +306,14 @@ class LlamaForCausalLM:
         # h, the residual stream, is updated in place; x is the normed input of what comes next
         x = ops.rms_norm(h, layers[0].input_norm if layers else self.norm, eps)
         shared_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # Gemma 4: K/V that later layers read
+        if meta.states is not None:
+            self.states.begin_step(meta.states)
         for i, layer in enumerate(layers):
             layer_rope = local_rope if i in self.local_layers else rope
-            attended = self._attention(i, layer, x, layer_rope, meta, lora, shared_kv)
+            if layer.linear_attn is not None:
+                attended = self._linear_attention(layer, x, meta)
+            else:
+                attended = self._attention(i, layer, x, layer_rope, meta, lora, shared_kv)
             x = ops.add_rms_norm(h, self._normed(attended, layer.attn_out_norm), layer.post_attn_norm, eps)
             following = layers[i + 1].input_norm if i + 1 < last else self.norm
             mlp_out = self._normed(self._mlp(i, layer, x, inv, lora, h), layer.mlp_out_norm)
@@ -337,6 +367,19 @@ class LlamaForCausalLM:
             lora.add(i, "down", act, down)
         return self.comm.all_reduce(down, ordered=inv)
 
+    def _linear_attention(self, layer: DecoderLayerWeights, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """A Gated DeltaNet layer's output, each sequence's state read from and written to its slot."""
+        rows = [(span.start, span.end) for span in meta.prefills]
+        return layer.linear_attn(x, meta.states, rows, self.states, self.attention.cache.block_size,
+                                 meta.batch_invariant)
+
+    def _rotate(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """RoPE on the first rotary_dim numbers of each head of x [T, heads, D] (all of them but in Qwen3.5)."""
+        if x.shape[-1] == self.rotary_dim:
+            return self.ops.rotary(x, *rope)
+        rotated = self.ops.rotary(x[..., : self.rotary_dim].contiguous(), *rope)
+        return torch.cat([rotated, x[..., self.rotary_dim :]], dim=-1)
+
     def _attention(self, i: int, layer: DecoderLayerWeights, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                    meta: AttentionMetadata, lora: LoRABatch | None,
                    shared_kv: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
@@ -355,26 +398,31 @@ class LlamaForCausalLM:
             k, v = shared_kv[layer.kv_source]
             return self._attended(i, layer, layer.kv_source, q, k, v, meta, lora)
         # k_eq_v: the values are the keys as projected, before their norm and rotation
-        v = qkv[:, q_size : q_size + kv_size] if layer.k_eq_v else qkv[:, q_size + kv_size :]
+        v = qkv[:, q_size : q_size + kv_size] if layer.k_eq_v else qkv[:, q_size + kv_size : q_size + 2 * kv_size]
         v = v.view(t, kv_heads, d)
+        gate = qkv[:, q_size + 2 * kv_size :] if layer.attn_gate else None
         if layer.q_norm is None:  # q and k side by side: rotate them in one go
             qk = ops.rotary(qkv[:, : q_size + kv_size].view(t, heads + kv_heads, d), *rope)
             q, k = qk.split([heads, kv_heads], dim=1)
         else:
             q = ops.rms_norm(qkv[:, :q_size].view(t, heads, d), layer.q_norm, cfg.rms_norm_eps)
             k = ops.rms_norm(qkv[:, q_size : q_size + kv_size].view(t, kv_heads, d), layer.k_norm, cfg.rms_norm_eps)
-            q, k = ops.rotary(q, *rope), ops.rotary(k, *rope)
+            q, k = self._rotate(q, rope), self._rotate(k, rope)
         if layer.v_norm is not None:
             v = ops.rms_norm(v, layer.v_norm, cfg.rms_norm_eps)
-        self.attention.write_kv(i, k, v, meta)
+        self.attention.write_kv(self.cache_layers[i], k, v, meta)
         if i in self.kv_sources:
             shared_kv[i] = (k, v)
-        return self._attended(i, layer, i, q, k, v, meta, lora)
+        return self._attended(i, layer, i, q, k, v, meta, lora, gate)
 
     def _attended(self, i: int, layer: DecoderLayerWeights, kv_layer: int, q: torch.Tensor, k: torch.Tensor,
-                  v: torch.Tensor, meta: AttentionMetadata, lora: LoRABatch | None) -> torch.Tensor:
-        """Layer i's attention over the cache of kv_layer (its own, or the one it shares), projected out."""
-        o = self.attention.attend(kv_layer, q, k, v, meta, layer.sinks)
+                  v: torch.Tensor, meta: AttentionMetadata, lora: LoRABatch | None,
+                  gate: torch.Tensor | None = None) -> torch.Tensor:
+        """Layer i's attention over the cache of kv_layer (its own, or the one it shares), projected out;
+        gate: Qwen3.5's output gate, through a sigmoid, on each head's output."""
+        o = self.attention.attend(self.cache_layers[kv_layer], q, k, v, meta, layer.sinks)
+        if gate is not None:
+            o = o * torch.sigmoid(gate)
         out = layer.o_proj(o, meta.batch_invariant)
         if lora is not None:
             lora.add(i, "o_proj", o, out)
