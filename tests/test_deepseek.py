@@ -228,3 +228,122 @@ def test_deepseek_runs_on_one_rank_only(deepseek) -> None:
             DeepseekV3ForCausalLM(cfg, {}, None, shard=shard)
     with pytest.raises(ValueError, match="DeepSeek V3 runs on one rank only"):  # through the engine's start
         LLM(str(folder), dtype="float32", tensor_parallel_size=2)
+
+
+MTP = {"method": "mtp", "num_speculative_tokens": 3, "disable_by_batch_size": 64}
+
+
+def add_mtp_layer(folder: Path, seed: int = 1) -> dict[str, torch.Tensor]:
+    """transformers saves no MTP layer: write one into the checkpoint as DeepSeek V3's are laid out
+    (model.layers.{num_hidden_layers}.*: enorm, hnorm, eh_proj, shared_head.norm, and a routed decoder layer,
+    drawn at random), and return its tensors."""
+    from safetensors.torch import load_file, save_file
+
+    path = folder / "model.safetensors"
+    tensors = load_file(path)
+    gen = torch.Generator().manual_seed(seed)
+    n, hidden = TINY["num_hidden_layers"], TINY["hidden_size"]
+    mtp = {}
+    for name, t in tensors.items():
+        if name.startswith(f"model.layers.{n - 1}."):  # a routed layer's shapes, values of its own
+            spread = 1.0 if name.endswith("gate.weight") else 0.2
+            values = torch.rand(t.shape, generator=gen) + 0.5 if "norm" in name else torch.randn(t.shape, generator=gen)
+            mtp[name.replace(f"layers.{n - 1}.", f"layers.{n}.")] = values if "norm" in name else values * spread
+    mtp[f"model.layers.{n}.mlp.gate.e_score_correction_bias"] = torch.zeros(TINY["n_routed_experts"])
+    for norm in ("enorm", "hnorm", "shared_head.norm"):
+        mtp[f"model.layers.{n}.{norm}.weight"] = torch.rand(hidden, generator=gen) + 0.5
+    mtp[f"model.layers.{n}.eh_proj.weight"] = torch.randn(hidden, 2 * hidden, generator=gen) * 0.2
+    save_file({**tensors, **mtp}, path, metadata={"format": "pt"})
+    return mtp
+
+
+@pytest.fixture(scope="module")
+def deepseek_mtp(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path, deepseek):
+    folder = build_tiny_deepseek(tmp_path_factory.mktemp("deepseek-mtp"), smollm2_dir)
+    return folder, deepseek[1], add_mtp_layer(folder)
+
+
+def reference_drafts(hf_model, mtp: dict[str, torch.Tensor], context: list[int], k: int) -> list[int]:
+    """DeepSeek's MTP drafting written out with transformers' modules: the target's final hidden states
+    before the last token, joined with the embeddings of the tokens after each position (position 0's zeroed),
+    through the MTP decoder layer; then k - 1 more positions, each fed the layer's last output and the draft."""
+    from torch import nn
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer, DeepseekV3RMSNorm
+
+    n, cfg = TINY["num_hidden_layers"], hf_model.config
+    p = f"model.layers.{n}."
+    layer = DeepseekV3DecoderLayer(cfg, n).eval()
+    state = {k[len(p):]: v for k, v in mtp.items()
+             if k[len(p):].split(".")[0] in ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm")}
+    experts = range(cfg.n_routed_experts)  # transformers holds the experts fused, [experts, out, in]
+    state["mlp.experts.gate_up_proj"] = torch.stack([torch.cat([state.pop(f"mlp.experts.{j}.gate_proj.weight"),
+                                                                state.pop(f"mlp.experts.{j}.up_proj.weight")])
+                                                     for j in experts])
+    state["mlp.experts.down_proj"] = torch.stack([state.pop(f"mlp.experts.{j}.down_proj.weight") for j in experts])
+    layer.load_state_dict(state)
+    norms = {}
+    for name in ("enorm", "hnorm", "shared_head.norm"):
+        norms[name] = DeepseekV3RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        norms[name].weight.data = mtp[f"{p}{name}.weight"]
+    eh_proj = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
+    eh_proj.weight.data = mtp[p + "eh_proj.weight"]
+    embed, head = hf_model.model.embed_tokens, hf_model.lm_head
+    with torch.no_grad():
+        hidden = hf_model.model(torch.tensor([context[:-1]])).last_hidden_state[0]
+        tokens, drafts, rows = list(context[1:]), [], []
+        for step in range(k):
+            emb = embed(torch.tensor(tokens))
+            emb[0] = 0
+            joined = eh_proj(torch.cat([norms["enorm"](emb), norms["hnorm"](hidden)], dim=-1))[None]
+            positions = torch.arange(len(tokens))[None]
+            mask = torch.full((len(tokens), len(tokens)), float("-inf")).triu(1)[None, None]
+            out = layer(joined, mask, positions, position_embeddings=hf_model.model.rotary_emb(joined, positions))[0]
+            drafts.append(int(head(norms["shared_head.norm"](out[-1])).argmax()))
+            tokens.append(drafts[-1])
+            hidden = torch.cat([hidden, out[-1:]])
+    return drafts
+
+
+def test_mtp_drafts_are_deepseeks_and_greedy_output_is_unchanged(deepseek_mtp, monkeypatch) -> None:
+    """With the checkpoint's MTP layer drafting 3 tokens: every draft what DeepSeek's MTP drafting gives (caught
+    up over the prompt, then over each verified step), and the greedy output still transformers'."""
+    from ladle.spec_decode.mtp import MTPDrafter
+
+    folder, hf_model, mtp = deepseek_mtp
+    calls = []
+    propose = MTPDrafter.propose
+
+    def recorded(self, seqs, rooms):
+        drafts = propose(self, seqs, rooms)
+        calls.extend((list(seq.token_ids), room, draft) for seq, room, draft in zip(seqs, rooms, drafts))
+        return drafts
+
+    monkeypatch.setattr(MTPDrafter, "propose", recorded)
+    llm = LLM(str(folder), dtype="float32", block_size=8, speculative_config=MTP)
+    assert llm.engine.runner.model.mtp is not None
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    for prompt, res in zip(PROMPTS[1:4], llm.generate(PROMPTS[1:4], params), strict=True):
+        assert res.outputs[0].token_ids == hf_greedy(hf_model, res.prompt_token_ids, MAX_TOKENS), prompt
+    assert llm.engine.stats.spec.num_drafts > 0 and len(calls) >= 6
+    for context, room, drafts in calls[:: max(1, len(calls) // 6)]:
+        assert drafts == reference_drafts(hf_model, mtp, context, room)
+
+
+def test_mtp_needs_an_mtp_layer(deepseek) -> None:
+    folder, _ = deepseek
+    with pytest.raises(ValueError, match="this model has none"):
+        LLM(str(folder), dtype="float32", speculative_config=MTP)
+
+
+def test_mtp_keeps_seeded_samples_and_frees_every_block(deepseek_mtp) -> None:
+    """One draw per emitted token, in order: seeded requests (n=2) emit the same tokens with MTP drafting as
+    without; drafts counted in the metrics, and every block back in the pool after."""
+    folder, _, _ = deepseek_mtp
+    params = [SamplingParams(temperature=0.8, top_p=0.95, seed=s, max_tokens=12, n=2) for s in range(3)]
+    plain = LLM(str(folder), dtype="float32").generate(PROMPTS[:3], params)
+    spec = LLM(str(folder), dtype="float32", speculative_config=MTP)
+    drafted = spec.generate(PROMPTS[:3], params)
+    assert [[o.token_ids for o in r.outputs] for r in drafted] == [[o.token_ids for o in r.outputs] for r in plain]
+    stats = spec.engine.stats.spec
+    assert stats.num_draft_tokens > 0 and sum(stats.accepted_per_pos) == stats.num_accepted_tokens
+    assert spec.engine.kv.num_free_blocks == spec.engine.kv.num_blocks

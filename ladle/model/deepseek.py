@@ -5,6 +5,10 @@ and the others routed experts beside shared ones (ladle.model.moe.DeepseekMoEBlo
 The same interface as LlamaForCausalLM (the runner, the engine and speculative decoding call either):
 forward, compute_logits, linears, moe_blocks, routing. One rank only for now: the tensor-parallel ranks
 build their KV caches with full K/V (ladle.distributed.tensor_parallel), which the latent cache is not.
+
+A checkpoint's multi-token prediction layer (num_nextn_predict_layers: model.layers.{num_hidden_layers}.*)
+is kept as `mtp` where its weights are there: it drafts for `--speculative-config '{"method": "mtp"}'`
+(ladle.spec_decode.mtp) from the final hidden states that forward keeps per cache slot (keep_hidden).
 """
 
 from __future__ import annotations
@@ -60,6 +64,42 @@ class DeepseekLayer:
         return attention + mlp
 
 
+@dataclass
+class MTPLayer:
+    """DeepSeek V3's multi-token prediction module: the next token's embedding (enorm) and the hidden state
+    that predicted it (hnorm) joined by eh_proj, through one more decoder layer, then its own head's norm
+    and the LM head: a guess at the token after next."""
+
+    enorm: torch.Tensor
+    hnorm: torch.Tensor
+    eh_proj: Linear  # [embedding ; hidden] -> hidden
+    layer: DeepseekLayer
+    head_norm: torch.Tensor  # shared_head.norm
+    head: Linear  # shared_head.head, or the model's LM head where the checkpoint leaves it out
+    embed: torch.Tensor  # its embed_tokens, or the model's
+
+    @property
+    def linears(self) -> tuple[Linear, ...]:
+        return (self.eh_proj, *self.layer.linears)
+
+
+def _mtp_layer(w: dict[str, torch.Tensor | GroupedWeight], cfg: ModelConfig, linear: Callable, cat: Callable,
+               dtype: torch.dtype, embed: torch.Tensor, lm_head: Linear) -> MTPLayer | None:
+    """The first MTP layer, taken out of w; None where the checkpoint holds none (transformers saves none)."""
+    n = cfg.num_hidden_layers
+    p = f"model.layers.{n}."
+    if p + "eh_proj.weight" not in w:
+        return None
+    head = w.pop(p + "shared_head.head.weight", None)
+    own_embed = w.pop(p + "embed_tokens.weight", None)
+    mtp = MTPLayer(w.pop(p + "enorm.weight"), w.pop(p + "hnorm.weight"), linear(w.pop(p + "eh_proj.weight"), None),
+                   _layer(w, n, cfg, linear, cat, dtype), w.pop(p + "shared_head.norm.weight"),
+                   lm_head if head is None else linear(head, None), embed if own_embed is None else own_embed)
+    for key in [k for k in w if k.startswith("model.layers.") and int(k.split(".")[2]) > n]:
+        w.pop(key)  # further MTP layers: ladle drafts with the first
+    return mtp
+
+
 def _layer(w: dict[str, torch.Tensor | GroupedWeight], i: int, cfg: ModelConfig,
            linear: Callable[[torch.Tensor | GroupedWeight, torch.Tensor | None], Linear],
            cat: Callable[[list], torch.Tensor | GroupedWeight], dtype: torch.dtype) -> DeepseekLayer:
@@ -67,7 +107,9 @@ def _layer(w: dict[str, torch.Tensor | GroupedWeight], i: int, cfg: ModelConfig,
     p, m = f"model.layers.{i}.", cfg.mla
     attn = p + "self_attn."
     lora = m.q_lora_rank is not None
-    moe = load_moe_block(w, i, cfg, Shard(), linear, cat, Single()) if i in cfg.moe.sparse_layers else None
+    # the MTP layer (after the last) routes as the layers before it do
+    sparse = i in cfg.moe.sparse_layers or (i >= cfg.num_hidden_layers and bool(cfg.moe.sparse_layers))
+    moe = load_moe_block(w, i, cfg, Shard(), linear, cat, Single()) if sparse else None
     gate_up = down = None
     if moe is None:
         gate_up = linear(cat([w.pop(p + "mlp.gate_proj.weight"), w.pop(p + "mlp.up_proj.weight")]), None)
@@ -121,6 +163,9 @@ class DeepseekV3ForCausalLM:
         if lm_head is None or (cfg.tie_word_embeddings and not isinstance(lm_head, GroupedWeight)):
             lm_head = self.embed
         self.lm_head = linear(lm_head, None)
+        self.mtp = _mtp_layer(w, cfg, linear, cat, dtype, self.embed, self.lm_head)
+        self.hidden_cache: torch.Tensor | None = None  # [slots, hidden]: keep_hidden
+        self._hidden_block_size = 0
         self.rotary = RotaryEmbedding(m.qk_rope_head_dim, cfg.max_position_embeddings, cfg.rope_theta,
                                       cfg.rope_scaling, device=self.embed.device)
         for lin in self.linears:  # now, not on the first canonical (scoring) request
@@ -157,7 +202,23 @@ class DeepseekV3ForCausalLM:
 
     @property
     def linears(self) -> list[Linear]:
-        return [lin for layer in self.layers for lin in layer.linears] + [self.lm_head]
+        mtp = list(self.mtp.linears) + ([self.mtp.head] if self.mtp.head is not self.lm_head else []) \
+            if self.mtp is not None else []
+        return [lin for layer in self.layers for lin in layer.linears] + [self.lm_head] + mtp
+
+    def keep_hidden(self, num_blocks: int, block_size: int) -> None:
+        """From now on every full forward keeps each token's final hidden state by its cache slot (the MTP
+        drafter reads the states of positions computed in earlier steps, prompts' included)."""
+        self.hidden_cache = torch.zeros(num_blocks * block_size, self.cfg.hidden_size, dtype=self.embed.dtype,
+                                        device=self.embed.device)
+        self._hidden_block_size = block_size
+
+    def _keep_hidden(self, x: torch.Tensor, meta: AttentionMetadata) -> None:
+        """x's rows into their slots, then the step's in-step copies (as the K/V's)."""
+        self.hidden_cache.index_copy_(0, meta.slot_mapping, x)
+        bs = self._hidden_block_size
+        for src, dst, n in meta.in_step_copies:
+            self.hidden_cache[dst * bs : dst * bs + n] = self.hidden_cache[src * bs : src * bs + n]
 
     @property
     def moe_blocks(self) -> dict[int, MoEBlock]:
@@ -196,11 +257,39 @@ class DeepseekV3ForCausalLM:
                 keep.keep(i + 1, h)
         if keep is not None:
             keep.keep(last, x)
+        if self.hidden_cache is not None and num_layers is None:
+            self._keep_hidden(x, meta)
         return x
 
+    @torch.inference_mode()
+    def mtp_forward(self, tokens: torch.Tensor, positions: torch.Tensor, previous: torch.Tensor,
+                    meta: AttentionMetadata, attention: MLAPagedAttention) -> torch.Tensor:
+        """The MTP layer at positions: each row joins the embedding of the token after its position
+        (tokens) with the hidden state at its position (previous: the model's final one, or the MTP layer's
+        own output when drafting further), attending over the MTP layer's latent cache (attention, its
+        layer 0). Returns the layer's output [T, hidden], before its head's norm. As vLLM's DeepSeek MTP,
+        position 0's embedding is zeroed."""
+        mtp, ops, eps = self.mtp, self.ops, self.cfg.rms_norm_eps
+        embedded = F.embedding(tokens, mtp.embed).masked_fill((positions == 0)[:, None], 0)
+        joined = torch.cat([ops.rms_norm(embedded, mtp.enorm, eps), ops.rms_norm(previous, mtp.hnorm, eps)], dim=-1)
+        h = mtp.eh_proj(joined, False)
+        attention.prepare(meta)
+        x = ops.rms_norm(h, mtp.layer.input_norm, eps)
+        x = ops.add_rms_norm(h, self._mla(0, mtp.layer, x, self._rope(positions, h.dtype), meta, attention),
+                             mtp.layer.post_attn_norm, eps)
+        h.add_(self._mlp(mtp.layer, x, False))
+        return h
+
+    @torch.inference_mode()
+    def mtp_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits of the MTP layer's outputs, through its head's norm and the head."""
+        return self.mtp.head(self.ops.rms_norm(hidden, self.mtp.head_norm, self.cfg.rms_norm_eps), False).float()
+
     def _mla(self, i: int, layer: DeepseekLayer, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                   meta: AttentionMetadata) -> torch.Tensor:
-        """Layer i's MLA output: the step's latents and shared keys written to the cache, then attended."""
+             meta: AttentionMetadata, attention: MLAPagedAttention | None = None) -> torch.Tensor:
+        """Layer i's MLA output: the step's latents and shared keys written to the cache (the model's, or
+        attention's: the MTP layer's), then attended."""
+        attention = attention or self.attention
         m, ops, inv = self.cfg.mla, self.ops, meta.batch_invariant
         t, heads = x.shape[0], self.cfg.num_attention_heads
         q_in = x if layer.q_a is None else ops.rms_norm(layer.q_a(x, inv), layer.q_a_norm, LORA_NORM_EPS)
@@ -210,8 +299,8 @@ class DeepseekV3ForCausalLM:
         latent, k_pe = layer.kv_a(x, inv).split([m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
         latent = ops.rms_norm(latent.contiguous(), layer.kv_a_norm, LORA_NORM_EPS)
         k_pe = rotate(k_pe, *rope, m.rope_interleave)
-        self.attention.write(i, latent, k_pe, meta)
-        o = self.attention.attend(i, q_nope, q_pe, latent, k_pe, layer.heads, meta)
+        attention.write(i, latent, k_pe, meta)
+        o = attention.attend(i, q_nope, q_pe, latent, k_pe, layer.heads, meta)
         return layer.o_proj(o, inv)
 
     def _mlp(self, layer: DeepseekLayer, x: torch.Tensor, inv: bool) -> torch.Tensor:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, fields
 
-METHODS = ("ngram", "draft_model", "early_exit")
+METHODS = ("ngram", "draft_model", "early_exit", "mtp")  # mtp: the checkpoint's MTP layer (DeepSeek V3)
 
 
 @dataclass(frozen=True)
