@@ -90,12 +90,27 @@ def test_the_configs_are_read_as_transformers_reads_them(hybrid) -> None:
         f"full {2 * 2 * 2 * 32 * 4} B/token, linear {2 * 4 * (128 * 3 + 4 * 16 * 16)} B/sequence"
 
 
-def test_an_image_and_text_checkpoint_reads_its_language_model() -> None:
-    from transformers import Qwen3_5Config
+def test_an_image_and_text_checkpoint_serves_its_language_model(qwen3_5: Path, tmp_path: Path) -> None:
+    """Qwen3.5 ships as Qwen3_5ForConditionalGeneration: its config nests the text model's, its weights sit
+    under model.language_model beside a vision tower that text alone never reads."""
+    import shutil
 
-    text = {"num_hidden_layers": 4, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2}
-    cfg = ModelConfig.from_hf_dict(Qwen3_5Config(text_config=text).to_dict())
-    assert cfg.model_type == "qwen3_5_text" and cfg.hybrid.linear_layers == {0, 1, 2}
+    from transformers import AutoModelForCausalLM, Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    text = AutoModelForCausalLM.from_pretrained(qwen3_5, dtype=torch.float32).eval()
+    vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64,
+              "patch_size": 4, "spatial_merge_size": 2, "temporal_patch_size": 2}
+    both = Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=text.config.to_dict(), vision_config=vision))
+    both.model.language_model.load_state_dict(text.model.state_dict())
+    both.lm_head.load_state_dict(text.lm_head.state_dict())
+    both.save_pretrained(tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (qwen3_5 / name).exists():
+            shutil.copy(qwen3_5 / name, tmp_path / name)
+    llm = LLM(str(tmp_path), dtype="float32")
+    assert llm.engine.model_config.model_type == "qwen3_5_text"
+    res = llm.generate([PROMPTS[3]], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True))[0]
+    assert res.outputs[0].token_ids == hf_greedy(text, res.prompt_token_ids, MAX_TOKENS)
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -258,7 +258,7 @@ class ModelRunner:
 
     def allocate_states(self, num_slots: int) -> None:
         """A hybrid model's linear-attention state pool of num_slots slots (ladle.engine.state_cache)."""
-        self.model.states = LinearStatePool(self.cfg.hybrid, num_slots, self.device)
+        self.model.states = LinearStatePool(self.cfg.hybrid, num_slots, self.block_size, self.device)
 
     def _set_decodes(self, meta: AttentionMetadata, seqs: list[Sequence], ctx: torch.Tensor) -> None:
         """The batch's first rows are one token each of `seqs`, attending to ctx[i] tokens."""

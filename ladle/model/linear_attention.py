@@ -51,9 +51,10 @@ class LinearStatePool:
     """Every slot's state in every linear layer, float32: conv [layers, slots, channels, kernel - 1]
     (the convolution's last inputs) and ssm [layers, slots, value heads, key dim, value dim]."""
 
-    def __init__(self, hybrid: HybridConfig, num_slots: int, device: torch.device | str = "cpu"):
+    def __init__(self, hybrid: HybridConfig, num_slots: int, block_size: int, device: torch.device | str = "cpu"):
+        """block_size: the paged cache's; prompts are computed in pieces that end on its boundaries."""
         layers, h = len(hybrid.linear_layers), hybrid
-        self.num_slots = num_slots
+        self.num_slots, self.block_size = num_slots, block_size
         self.conv = torch.zeros(layers, num_slots, h.conv_channels, h.conv_kernel - 1, device=device)
         self.ssm = torch.zeros(layers, num_slots, h.value_heads, h.key_dim, h.value_dim, device=device)
 
@@ -92,7 +93,7 @@ class LinearAttentionLayer:
         return (self.qkv, self.z, self.ba, self.out)
 
     def __call__(self, x: torch.Tensor, meta: StateMetadata, rows: list[tuple[int, int]], pool: LinearStatePool,
-                 block_size: int, inv: bool) -> torch.Tensor:
+                 inv: bool) -> torch.Tensor:
         """The layer's output [T, hidden] for normed inputs x [T, hidden]: rows [0, len(decode_slots)) are
         decodes, rows[i] = (start, end) the rows of meta.spans[i]."""
         h = self.shape
@@ -105,7 +106,7 @@ class LinearAttentionLayer:
         if num_decodes:
             out[:num_decodes] = self._decode(mixed[:num_decodes], self._decay(steps[:num_decodes]),
                                              beta[:num_decodes], meta, pool)
-        step = math.gcd(block_size, CHUNK)  # pieces end on every block boundary
+        step = math.gcd(pool.block_size, CHUNK)  # pieces end on every block boundary
         for span, (start, end) in zip(meta.spans, rows):
             out[start:end] = self._prefill(mixed[start:end], steps[start:end], beta[start:end], span, pool, step)
         z = self.z(x, inv).view(t, hv, h.value_dim)

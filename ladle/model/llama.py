@@ -370,8 +370,7 @@ class LlamaForCausalLM:
     def _linear_attention(self, layer: DecoderLayerWeights, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """A Gated DeltaNet layer's output, each sequence's state read from and written to its slot."""
         rows = [(span.start, span.end) for span in meta.prefills]
-        return layer.linear_attn(x, meta.states, rows, self.states, self.attention.cache.block_size,
-                                 meta.batch_invariant)
+        return layer.linear_attn(x, meta.states, rows, self.states, meta.batch_invariant)
 
     def _rotate(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """RoPE on the first rotary_dim numbers of each head of x [T, heads, D] (all of them but in Qwen3.5)."""

@@ -142,7 +142,8 @@ def load_weights(folder: Path, dtype: torch.dtype | None = None) -> dict[str, to
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {folder}")
     config = _config(folder)
-    text_only = config.get("model_type") in ("gemma3", "gemma4")  # image-and-text: the language model alone
+    # image-and-text checkpoints: the language model alone
+    text_only = config.get("model_type") in ("gemma3", "gemma4", "qwen3_5", "qwen3_5_moe")
     weights: dict[str, torch.Tensor] = {}
     for file in files:
         with safe_open(str(file), framework="pt") as f:
