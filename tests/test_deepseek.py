@@ -97,6 +97,19 @@ def test_deepseek_matches_transformers(deepseek, case: str) -> None:
         assert llm.engine.scheduler.num_preemptions > 0
 
 
+def test_the_other_deepseek_shapes_match_transformers(tmp_path: Path, smollm2_dir: Path) -> None:
+    """q_proj without a LoRA, rotary dims in halves, plain RoPE, one expert group (no group limit), the top k
+    not renormalised, two shared experts fused; chunked at odd sizes."""
+    from transformers import AutoModelForCausalLM
+
+    folder = build_tiny_deepseek(tmp_path / "deepseek", smollm2_dir, seed=3, q_lora_rank=None, rope_interleave=False,
+                                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, n_group=1,
+                                 topk_group=1, norm_topk_prob=False, n_shared_experts=2, routed_scaling_factor=1.0)
+    hf_model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    llm = LLM(str(folder), dtype="float32", max_num_batched_tokens=11, long_prefill_token_threshold=11, block_size=8)
+    check_against_transformers(llm, hf_model, PROMPTS[2:5])
+
+
 def test_prefix_cache_hits_at_several_depths(deepseek) -> None:
     """Prompts sharing a first prompt's first 1, 2 and 4 blocks (and one ending mid-block): each starts from
     the cached latents and continues as transformers does (no prompt logprobs: those recompute the prompt)."""

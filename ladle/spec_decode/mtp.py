@@ -52,7 +52,8 @@ class MTPDrafter:
         for step in range(1, max(rooms)):
             active = [i for i, room in enumerate(rooms) if step < room]
             positions = [seqs[i].num_tokens - 2 + step for i in active]
-            meta = AttentionMetadata(slot_mapping=self._tensor([self._slot(seqs[i], p) for i, p in zip(active, positions)]))
+            slots = [self._slot(seqs[i], p) for i, p in zip(active, positions)]
+            meta = AttentionMetadata(slot_mapping=self._tensor(slots))
             meta.num_decodes = len(active)
             meta.decode_block_tables = padded_block_tables([seqs[i].block_table for i in active])
             meta.decode_context_lens = torch.tensor(positions) + 1
