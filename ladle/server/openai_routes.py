@@ -249,8 +249,9 @@ async def _chat_events(ctx: ServerContext, req: ChatCompletionRequest, stream: R
                                      sum(reasoning.values()) if inputs.thinking else None), timings)
         elif timings is not None:
             yield event([], timings=timings)
-    except Exception as e:
+    except Exception as e:  # the reply broke off: an error event ends it, never [DONE] (that says it finished)
         yield sse_error(e)
+        return
     finally:
         stream.abort()  # a client that left (cancellation lands here) frees its blocks at once
         ctx.live.remove(tracked)
@@ -394,8 +395,9 @@ async def _completion_events(ctx: ServerContext, req: CompletionRequest, request
         if usage is not None or timings is not None:
             yield sse_event(CompletionResponse(id=request_id, created=created, model=req.model or ctx.model_name,
                                                choices=[], usage=usage, timings=timings), exclude)
-    except Exception as e:
+    except Exception as e:  # the reply broke off: an error event ends it, never [DONE] (that says it finished)
         yield sse_error(e)
+        return
     finally:
         abort_all(streams)
         ctx.live.remove(tracked)
