@@ -74,6 +74,8 @@ SCRIPTS = {
     "long_context": Script([], [rf"\| sliding \| \d+ \| {NUMBER} \| \d+ \| \d+ \| True \|",
                                 rf"sliding / full: {NUMBER}x fewer blocks per sequence, {NUMBER}x the batch"],
                            marks=SLOW),
+    "worker_kill": Script([], [r"silent cuts: 0; errors not in OpenAI's shape: 0",
+                               r"\| chat sdk \| (done|raised) \| \d+ \|"], marks=SLOW),
     # needs a GPU and a Llama 3 tokenizer (benchmarks/gpu/fetch.sh; LADLE_GPU_TOKENIZER, as gpu_check.sh sets it)
     "gpu": Script(["--tokenizer", "{gpu_tokenizer}", "--out", "{tmp}", "--cases", "graphs"],
                   [rf"\| graphs, small model batch-1 \| eager {NUMBER} ms, graphs {NUMBER} ms"], timeout=600,
