@@ -367,3 +367,19 @@ def test_mtp_keeps_seeded_samples_and_frees_every_block(deepseek_mtp) -> None:
     stats = spec.engine.stats.spec
     assert stats.num_draft_tokens > 0 and sum(stats.accepted_per_pos) == stats.num_accepted_tokens
     assert spec.engine.kv.num_free_blocks == spec.engine.kv.num_blocks
+
+
+def test_the_offload_tier_restores_latents(deepseek, tmp_path: Path) -> None:
+    """A session's prefix evicted from a small pool goes to the disk tier as latents (the zero-width V holds
+    nothing to write) and comes back: turn 2 starts from it and continues as on a pool that never evicted."""
+    from test_kv_offload import assert_no_leak, session
+
+    folder, _ = deepseek
+    want_out, want_logprobs, _ = session(LLM(str(folder), dtype="float32", num_kv_blocks=200, deterministic=True),
+                                         evict=False)
+    llm = LLM(str(folder), dtype="float32", num_kv_blocks=24, kv_offload_gib=0.01, kv_offload_dir=str(tmp_path),
+              deterministic=True)
+    out, logprobs, cached = session(llm, evict=True)
+    assert llm.engine.kv.offload.tier.stats.restored >= 5 and cached >= 176
+    assert out == want_out and [lp.logprob for lp in logprobs] == [lp.logprob for lp in want_logprobs]
+    assert_no_leak(llm)

@@ -177,9 +177,10 @@ class KVCache:
 
     def tensors(self) -> list[torch.Tensor]:
         """Everything held per slot, layer first: K, V and an 8-bit cache's scales (each stack of a cache
-        whose layers differ in shape)."""
+        whose layers differ in shape); not a V of width 0 (MLA's), which holds nothing to copy or offload."""
         held = [self.k, self.v] + ([self.k_scale, self.v_scale] if self.quantized else [])
-        return [s for t in held for s in (t.stacks if isinstance(t, LayerViews) else [t])]
+        stacks = [s for t in held for s in (t.stacks if isinstance(t, LayerViews) else [t])]
+        return [s for s in stacks if math.prod(s.shape[3:])]
 
     def copy_prefix(self, src: int, dst: int, num_tokens: int, layer: int | None = None) -> None:
         """The first num_tokens slots of block src into block dst, in one layer or every layer."""
