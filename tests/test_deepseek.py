@@ -232,6 +232,8 @@ def test_the_absorbed_decode_equals_the_decompressed_prompt_path() -> None:
     rest.prefills[0].canonical = True
     assert torch.allclose(attention.attend(0, q_nope[-20:], q_pe[-20:], latent[-20:], k_pe[-20:], heads, rest),
                           whole[-20:], atol=1e-5, rtol=1e-4)
+    with pytest.raises(ValueError, match="--enforce-eager"):  # CUDA graphs: refused by name, not captured
+        attention.static_decode(table[None], torch.tensor([n]))
 
 
 def test_deepseek_runs_on_one_rank_only(deepseek) -> None:

@@ -70,6 +70,12 @@ class MLAPagedAttention:
             keys = torch.arange(meta.decode_block_tables.shape[1] * self.cache.block_size, device=self.cache.k.device)
             meta.backend_data = (keys[None, :] < meta.decode_context_lens.to(keys.device)[:, None])[:, None]
 
+    def static_decode(self, block_tables: torch.Tensor, context_lens: torch.Tensor) -> object:
+        """What CUDA graphs' decode steps would read (ladle.engine.cuda_graphs): not offered yet, so a CUDA
+        start with graphs is refused by name rather than failing inside a capture."""
+        raise ValueError("decode steps of multi-head latent attention (DeepSeek V3) are not captured as CUDA "
+                         "graphs yet: serve it with --enforce-eager")
+
     def write(self, layer: int, latent: torch.Tensor, k_pe: torch.Tensor, meta: AttentionMetadata) -> None:
         """This step's latents [T, rank] and rotated shared keys [T, rope] into their slots, then the step's
         in-step copies (blocks other sequences compute in this step)."""
