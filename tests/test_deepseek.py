@@ -7,6 +7,7 @@ absorbed decode against the decompressed prompt path; the cache's bytes; one ran
 from __future__ import annotations
 
 import logging
+import math
 import shutil
 from pathlib import Path
 
@@ -83,6 +84,31 @@ def test_the_config_is_read_as_transformers_reads_it(deepseek) -> None:
     assert (cfg.moe.n_group, cfg.moe.topk_group, cfg.moe.routed_scaling_factor) == (4, 2, 2.5)
     assert cfg.moe.shared_expert_intermediate_size == 32 and cfg.rope_scaling["rope_type"] == "yarn"
     assert cfg.cache_layer_shapes == ((1, RANK + ROPE, 0),) * 3
+
+
+def test_the_hub_config_of_deepseek_v3_is_read() -> None:
+    """DeepSeek-V3's config.json as the Hub has it (rope_scaling with "type", noaux_tc routing): 58 routed layers
+    of 256 experts in 8 groups, YaRN's mscale in the softmax scale, 61 x 576 latent numbers per token."""
+    from ladle.engine.kv_report import kv_bytes_per_token
+    from ladle.model.mla import softmax_scale
+
+    hub = {"model_type": "deepseek_v3", "vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432,
+           "moe_intermediate_size": 2048, "num_hidden_layers": 61, "num_attention_heads": 128,
+           "num_key_value_heads": 128, "n_routed_experts": 256, "n_shared_experts": 1, "num_experts_per_tok": 8,
+           "n_group": 8, "topk_group": 4, "topk_method": "noaux_tc", "scoring_func": "sigmoid", "norm_topk_prob": True,
+           "routed_scaling_factor": 2.5, "first_k_dense_replace": 3, "q_lora_rank": 1536, "kv_lora_rank": 512,
+           "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "max_position_embeddings": 163840,
+           "rope_theta": 10000, "num_nextn_predict_layers": 1,
+           "rope_scaling": {"type": "yarn", "factor": 40, "beta_fast": 32, "beta_slow": 1, "mscale": 1.0,
+                            "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096}}
+    cfg = ModelConfig.from_hf_dict(hub)
+    assert cfg.moe.sparse_layers == set(range(3, 61)) and cfg.moe.num_experts == 256 and cfg.moe.top_k == 8
+    assert cfg.moe.shared_expert_intermediate_size == 2048 and (cfg.moe.n_group, cfg.moe.topk_group) == (8, 4)
+    mscale = 0.1 * math.log(40) + 1.0
+    assert softmax_scale(192, cfg.rope_scaling) == pytest.approx(192**-0.5 * mscale**2)
+    assert kv_bytes_per_token(cfg, torch.bfloat16) == {"latent": 61 * 576 * 2}
+    with pytest.raises(ValueError, match="noaux_tc, sigmoid"):
+        ModelConfig.from_hf_dict({**hub, "topk_method": "greedy", "scoring_func": "softmax"})
 
 
 @pytest.mark.parametrize("case", ["plain", "chunked", "preempting"])
