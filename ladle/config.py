@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from dataclasses import dataclass, field
 
@@ -61,6 +62,9 @@ class EngineConfig:
     kv_offload_dir: str | None = None  # where its files go (a private folder inside; None: the system temp dir)
     # hybrid models (Qwen3.5, Qwen3-Next): linear-attention states kept at block boundaries of cached prefixes
     max_state_snapshots: int = 64
+    # vision-language models: the encoder cache's bound (each distinct image's tile embeddings, by content hash)
+    mm_encoder_cache_mib: int = 256
+    limit_mm_per_prompt: dict[str, int] = field(default_factory=dict)  # vLLM's: most items of a kind a prompt takes
     # disaggregated prefill/decode (ladle.distributed): this worker's role; None: serves whole requests only
     kv_transfer_config: KVTransferConfig | None = None
     # model parallelism (ladle.distributed.tensor_parallel): ranks that each compute a shard of the model
@@ -92,6 +96,13 @@ class EngineConfig:
             raise ValueError("max_num_seqs, max_num_batched_tokens and block_size must be positive")
         if self.max_state_snapshots < 0:
             raise ValueError("max_state_snapshots (--max-state-snapshots) must be 0 or more")
+        if self.mm_encoder_cache_mib < 0:
+            raise ValueError("mm_encoder_cache_mib (--mm-encoder-cache-mib) must be 0 or more")
+        if isinstance(self.limit_mm_per_prompt, str):
+            self.limit_mm_per_prompt = mm_limits(self.limit_mm_per_prompt)
+        if set(self.limit_mm_per_prompt) - {"image"} or any(n < 0 for n in self.limit_mm_per_prompt.values()):
+            raise ValueError(f"limit_mm_per_prompt takes only {{'image': N}} with N >= 0, not "
+                             f"{self.limit_mm_per_prompt!r}")
         if self.lora_modules and not self.enable_lora:
             raise ValueError("lora_modules (--lora-modules) needs enable_lora (--enable-lora)")
         if self.max_loras < 1 or self.max_lora_rank < 1:
@@ -136,7 +147,9 @@ class EngineConfig:
         clashes = {"enable_lora (--enable-lora)": self.enable_lora,
                    "load_format (--load-format) dummy": self.load_format == "dummy",
                    "kv_offload_gib (--kv-offload-gib)": self.kv_offload_gib > 0,
-                   "kv_transfer_config (--kv-transfer-config)": self.kv_transfer_config is not None}
+                   "kv_transfer_config (--kv-transfer-config)": self.kv_transfer_config is not None,
+                   'speculative_config (--speculative-config) method "mtp"':
+                   self.speculative_config is not None and self.speculative_config.method == "mtp"}
         bad = [name for name, on in clashes.items() if on]
         if bad:
             raise ValueError(f"tensor_parallel_size > 1 does not combine with {', '.join(bad)} yet")
@@ -235,6 +248,12 @@ def add_engine_arguments(parser) -> None:
                         "ones are admitted first, so long thinking cannot starve short requests (0: off)")
     g.add_argument("--high-effort-tokens", type=int, default=EngineConfig.high_effort_tokens, metavar="N",
                    help="a request is high-effort when its thinking budget (else its max_tokens) exceeds N")
+    g.add_argument("--limit-mm-per-prompt", type=mm_limits, default={}, metavar="JSON",
+                   help='vision-language models: the most images one prompt may hold, e.g. \'{"image": 2}\' '
+                        "(vLLM's flag; default: no limit); a prompt over it is a 400 naming the first image past it")
+    g.add_argument("--mm-encoder-cache-mib", type=int, default=EngineConfig.mm_encoder_cache_mib, metavar="MIB",
+                   help="vision-language models: the vision encoder's outputs kept by image content hash, least "
+                        "recently used dropped first, so an image sent again is not encoded again (0: none kept)")
     g.add_argument("--max-state-snapshots", type=int, default=EngineConfig.max_state_snapshots,
                    help="hybrid models (Qwen3.5, Qwen3-Next): how many linear-attention states the prefix cache "
                         "keeps, one per cached block boundary, least recently used dropped first; each costs one "
@@ -292,6 +311,17 @@ def lora_modules(specs: list[str]) -> dict[str, str]:
     return out
 
 
+def mm_limits(value: str) -> dict[str, int]:
+    """--limit-mm-per-prompt as vLLM takes it: a JSON object of counts by modality, e.g. {"image": 2}."""
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError:
+        parsed = None
+    if not isinstance(parsed, dict) or not all(isinstance(n, int) for n in parsed.values()):
+        raise argparse.ArgumentTypeError(f'expected a JSON object of counts, e.g. \'{{"image": 2}}\', not {value!r}')
+    return parsed
+
+
 def engine_config_from_args(args) -> EngineConfig:
     return EngineConfig(
         model=args.model, revision=args.revision, download_dir=args.download_dir,
@@ -309,7 +339,8 @@ def engine_config_from_args(args) -> EngineConfig:
         reasoning_parser=args.reasoning_parser, thinking_token_budget=args.thinking_token_budget,
         max_high_effort_seqs=args.max_high_effort_seqs, high_effort_tokens=args.high_effort_tokens,
         kv_offload_gib=args.kv_offload_gib, kv_offload_dir=args.kv_offload_dir,
-        max_state_snapshots=args.max_state_snapshots,
+        max_state_snapshots=args.max_state_snapshots, limit_mm_per_prompt=args.limit_mm_per_prompt,
+        mm_encoder_cache_mib=args.mm_encoder_cache_mib,
         kv_transfer_config=KVTransferConfig.parse(args.kv_transfer_config) if args.kv_transfer_config else None,
         tensor_parallel_size=args.tensor_parallel_size, enable_expert_parallel=args.enable_expert_parallel,
         distributed_executor_backend=args.distributed_executor_backend,

@@ -2,7 +2,8 @@
 its mscale, a dense first layer, then 8 routed experts in 4 groups beside a shared one) served from a latent KV
 cache. Greedy tokens and logprobs plain, chunked at odd sizes, preempted and from prefix-cache hits at several
 depths; canonical scoring bit-identical cold, cached and batched; decisions reusing a shared input; the
-absorbed decode against the decompressed prompt path; the cache's bytes; one rank only, refused by name."""
+absorbed decode against the decompressed prompt path; the cache's bytes; tensor and expert parallel on two
+ranks; MTP speculation."""
 
 from __future__ import annotations
 
@@ -262,18 +263,34 @@ def test_the_absorbed_decode_equals_the_decompressed_prompt_path() -> None:
         attention.static_decode(table[None], torch.tensor([n]))
 
 
-def test_deepseek_runs_on_one_rank_only(deepseek) -> None:
-    """Tensor and expert parallel ranks build full K/V caches, not latent ones: refused at start, by name."""
-    from ladle.model.deepseek import DeepseekV3ForCausalLM
-    from ladle.model.sharding import Shard
+@pytest.mark.slow  # starts a worker process
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_two_ranks_match_one_process_and_transformers(deepseek, expert_parallel: bool) -> None:
+    """Tensor parallel: each rank its half of the heads (q_b and kv_b rows, o_proj columns), of the dense
+    first layer and, without expert parallel, of every expert; with it, half the experts whole. Every rank
+    computes the whole latent, so each caches what one rank would."""
+    folder, hf_model = deepseek
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=3)
+    threads = torch.get_num_threads()
+    single = LLM(str(folder), dtype="float32").generate(PROMPTS[3:6], params)
+    llm = LLM(str(folder), dtype="float32", tensor_parallel_size=2, enable_expert_parallel=expert_parallel,
+              max_num_batched_tokens=32)  # chunked: prefill chunks beside decodes
+    try:
+        parallel = llm.generate(PROMPTS[3:6], params)
+        for a, b in zip(single, parallel, strict=True):
+            assert b.outputs[0].token_ids == a.outputs[0].token_ids == hf_greedy(hf_model, a.prompt_token_ids, 6)
+            assert max(abs(x.logprob - y.logprob) for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs)) < 2e-4
+        assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
+        assert sum(map(sum, llm.engine.expert_load().values())) > 0
+    finally:
+        llm.engine.close()
+        torch.set_num_threads(threads)
 
+
+def test_mtp_under_tensor_parallel_is_refused(deepseek) -> None:
     folder, _ = deepseek
-    cfg = ModelConfig.from_folder(folder)
-    for shard in (Shard(0, 2), Shard(1, 2, expert_parallel=True)):
-        with pytest.raises(ValueError, match="DeepSeek V3 runs on one rank only"):
-            DeepseekV3ForCausalLM(cfg, {}, None, shard=shard)
-    with pytest.raises(ValueError, match="DeepSeek V3 runs on one rank only"):  # through the engine's start
-        LLM(str(folder), dtype="float32", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match='method "mtp"'):
+        LLM(str(folder), dtype="float32", tensor_parallel_size=2, speculative_config=MTP)
 
 
 MTP = {"method": "mtp", "num_speculative_tokens": 3, "disable_by_batch_size": 64}

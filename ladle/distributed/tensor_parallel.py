@@ -72,8 +72,8 @@ def build_rank_model(spec: RankSpec, rank: int, comm: ProcessGroupComm,
     shard = Shard(rank, spec.world, spec.expert_parallel)
     shard.check(spec.cfg)
     local = shard.local_config(spec.cfg)
-    kv = KVCache(local.num_hidden_layers, spec.num_blocks, spec.block_size, local.num_key_value_heads,
-                 local.head_dim, dtype=spec.kv_dtype)
+    kv = KVCache(local.num_kv_layers, spec.num_blocks, spec.block_size, local.num_key_value_heads,
+                 local.head_dim, dtype=spec.kv_dtype, layer_shapes=local.cache_layer_shapes)
     backend = TorchPagedAttention(kv, local.num_attention_heads, local.num_key_value_heads, local.head_dim,
                                   local.layer_windows, local.attention_scale)
     if weights is None:

@@ -34,7 +34,7 @@ from ladle.model.mla_attention import LatentHeads, MLAPagedAttention
 from ladle.model.moe import MoEBlock, load_moe_block
 from ladle.model.ops import TORCH_OPS, LayerOps
 from ladle.model.quantization import GroupedWeight, cat_weights, choose_prefill_route, make_linear
-from ladle.model.sharding import Shard
+from ladle.model.sharding import Shard, head_rows
 
 if TYPE_CHECKING:
     from ladle.lora.slots import LoRABatch
@@ -102,29 +102,37 @@ def _mtp_layer(w: dict[str, torch.Tensor | GroupedWeight], cfg: ModelConfig, lin
 
 def _layer(w: dict[str, torch.Tensor | GroupedWeight], i: int, cfg: ModelConfig,
            linear: Callable[[torch.Tensor | GroupedWeight, torch.Tensor | None], Linear],
-           cat: Callable[[list], torch.Tensor | GroupedWeight], dtype: torch.dtype) -> DeepseekLayer:
-    """Layer i's weights, taken out of w (dtype: the compute dtype)."""
+           cat: Callable[[list], torch.Tensor | GroupedWeight], dtype: torch.dtype,
+           shard: Shard = Shard(), comm: object = Single()) -> DeepseekLayer:
+    """Layer i's weights (this rank's shard of them: its heads, its share of the dense MLP, its experts or its
+    share of each), taken out of w (dtype: the compute dtype). Every rank computes the whole latent: q_a and
+    kv_a are not split, so each rank's cache holds every token's latent, as one rank's does."""
     p, m = f"model.layers.{i}.", cfg.mla
     attn = p + "self_attn."
     lora = m.q_lora_rank is not None
+    heads = cfg.num_attention_heads
     # the MTP layer (after the last) routes as the layers before it do
     sparse = i in cfg.moe.sparse_layers or (i >= cfg.num_hidden_layers and bool(cfg.moe.sparse_layers))
-    moe = load_moe_block(w, i, cfg, Shard(), linear, cat, Single()) if sparse else None
+    moe = load_moe_block(w, i, cfg, shard, linear, cat, comm) if sparse else None
     gate_up = down = None
     if moe is None:
-        gate_up = linear(cat([w.pop(p + "mlp.gate_proj.weight"), w.pop(p + "mlp.up_proj.weight")]), None)
-        down = linear(w.pop(p + "mlp.down_proj.weight"), None)
+        gate, up = shard.column_parallel([w.pop(p + "mlp.gate_proj.weight"), w.pop(p + "mlp.up_proj.weight")])
+        down_w = w.pop(p + "mlp.down_proj.weight")
+        gate_up, down = linear(cat([gate, up]), None), linear(shard.columns(down_w, shard.span(down_w.shape[1])), None)
     # kv_b stays float whatever the quantization: the absorbed decode reads it per head
-    kv_b = Linear(_dense(w.pop(attn + "kv_b_proj.weight"), dtype))
+    kv_b = Linear(_dense(shard.rows(w.pop(attn + "kv_b_proj.weight"),
+                                    head_rows(shard, heads, m.qk_nope_head_dim + m.v_head_dim)), dtype))
+    q_b = w.pop(attn + ("q_b_proj.weight" if lora else "q_proj.weight"))
+    o_proj = w.pop(attn + "o_proj.weight")
     return DeepseekLayer(
         input_norm=w.pop(p + "input_layernorm.weight"),
         q_a=linear(w.pop(attn + "q_a_proj.weight"), None) if lora else None,
         q_a_norm=w.pop(attn + "q_a_layernorm.weight") if lora else None,
-        q_b=linear(w.pop(attn + ("q_b_proj.weight" if lora else "q_proj.weight")), None),
+        q_b=linear(shard.rows(q_b, head_rows(shard, heads, m.qk_nope_head_dim + m.qk_rope_head_dim)), None),
         kv_a=linear(w.pop(attn + "kv_a_proj_with_mqa.weight"), None),
         kv_a_norm=w.pop(attn + "kv_a_layernorm.weight"),
-        heads=LatentHeads.of(kv_b, cfg.num_attention_heads, m.qk_nope_head_dim, m.v_head_dim),
-        o_proj=linear(w.pop(attn + "o_proj.weight"), None),
+        heads=LatentHeads.of(kv_b, heads // shard.world, m.qk_nope_head_dim, m.v_head_dim),
+        o_proj=linear(shard.columns(o_proj, head_rows(shard, heads, m.v_head_dim)), None),
         post_attn_norm=w.pop(p + "post_attention_layernorm.weight"),
         gate_up=gate_up, down=down, moe=moe)
 
@@ -142,9 +150,7 @@ class DeepseekV3ForCausalLM:
         (ModelConfig.cache_layer_shapes); the model attends through MLAPagedAttention over that cache."""
         if quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, not {quantization!r}")
-        if not shard.whole:
-            raise ValueError("DeepSeek V3 runs on one rank only for now (no tensor or expert parallel): its "
-                             "latent KV cache is not the one tensor-parallel ranks build")
+        shard.check(cfg)
         if cfg.attention_bias:
             raise ValueError("DeepSeek V3 with attention_bias is not supported")
         w = dict(weights)
@@ -157,13 +163,15 @@ class DeepseekV3ForCausalLM:
         dtype = self.embed.dtype
         linear = functools.partial(make_linear, quantization=quantization, dtype=dtype)
         cat = functools.partial(cat_weights, dtype=dtype)
-        self.layers = [_layer(w, i, cfg, linear, cat, dtype) for i in range(cfg.num_hidden_layers)]
+        self.layers = [_layer(w, i, cfg, linear, cat, dtype, shard, comm) for i in range(cfg.num_hidden_layers)]
+        self.cfg = cfg = shard.local_config(cfg)  # from here on, the heads this rank computes
         self.norm = w.pop("model.norm.weight")
         lm_head = w.pop("lm_head.weight", None)
         if lm_head is None or (cfg.tie_word_embeddings and not isinstance(lm_head, GroupedWeight)):
             lm_head = self.embed
         self.lm_head = linear(lm_head, None)
-        self.mtp = _mtp_layer(w, cfg, linear, cat, dtype, self.embed, self.lm_head)
+        # speculation runs on one rank (EngineConfig refuses mtp under tensor parallel)
+        self.mtp = _mtp_layer(w, cfg, linear, cat, dtype, self.embed, self.lm_head) if shard.whole else None
         self.hidden_cache: torch.Tensor | None = None  # [slots, hidden]: keep_hidden
         self._hidden_block_size = 0
         self.rotary = RotaryEmbedding(m.qk_rope_head_dim, cfg.max_position_embeddings, cfg.rope_theta,
@@ -301,12 +309,12 @@ class DeepseekV3ForCausalLM:
         k_pe = rotate(k_pe, *rope, m.rope_interleave)
         attention.write(i, latent, k_pe, meta)
         o = attention.attend(i, q_nope, q_pe, latent, k_pe, layer.heads, meta)
-        return layer.o_proj(o, inv)
+        return self.comm.all_reduce(layer.o_proj(o, inv), ordered=inv)
 
     def _mlp(self, layer: DeepseekLayer, x: torch.Tensor, inv: bool) -> torch.Tensor:
         if layer.moe is not None:
             return layer.moe(x, inv)
-        return layer.down(self.ops.silu_and_mul(layer.gate_up(x, inv)), inv)
+        return self.comm.all_reduce(layer.down(self.ops.silu_and_mul(layer.gate_up(x, inv)), inv), ordered=inv)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor, batch_invariant: bool = False) -> torch.Tensor:
