@@ -8,11 +8,12 @@ from typing import Any, Sequence
 
 from ladle.config import EngineConfig
 from ladle.engine.engine import LLMEngine
+from ladle.engine.multimodal import ImagePrompt
 from ladle.engine.request import RequestTimings, StepOutput, TokenLogprob
 from ladle.engine.sampling_params import SamplingParams
 from ladle.engine.stop import keep_stop_strings
 
-Prompt = str | list[int]
+Prompt = str | list[int] | dict[str, Any]  # a dict: vLLM's {"prompt": text, "multi_modal_data": {"image": ...}}
 Messages = list[dict[str, Any]]
 
 
@@ -66,6 +67,15 @@ class GenerationResult:
                 c.num_reasoning_tokens = d.num_reasoning_tokens
 
 
+def _with_images(prompt: Prompt) -> str | list[int] | ImagePrompt:
+    """vLLM's prompt with images, {"prompt": text, "multi_modal_data": {"image": one or a list}}, as the
+    engine takes it (a plain prompt as it is)."""
+    if not isinstance(prompt, dict):
+        return prompt
+    images = prompt.get("multi_modal_data", {}).get("image", [])
+    return ImagePrompt(prompt["prompt"], tuple(images) if isinstance(images, (list, tuple)) else (images,))
+
+
 class LLM:
     def __init__(self, model: str | None = None, **engine_args: Any):
         self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
@@ -77,7 +87,7 @@ class LLM:
                  lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[GenerationResult]:
         """Run all prompts through the engine together; results come back in input order.
         lora_request: one adapter for every prompt, or one (or None: the base) per prompt."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params_list = params if isinstance(params, Sequence) else [params or SamplingParams()] * len(prompts)
         loras = lora_request if isinstance(lora_request, Sequence) else [lora_request] * len(prompts)
@@ -85,7 +95,7 @@ class LLM:
         keeps_stop_strings: set[str] = set()
         for prompt, p, lora in zip(prompts, params_list, loras, strict=True):
             rid = str(next(self._ids))
-            ids = self.engine.add_request(rid, prompt, p, lora=self._adapter_name(lora))
+            ids = self.engine.add_request(rid, _with_images(prompt), p, lora=self._adapter_name(lora))
             results[rid] = GenerationResult(rid, ids, [Completion(i) for i in range(p.n)])
             if p.include_stop_str_in_output:
                 keeps_stop_strings.add(rid)

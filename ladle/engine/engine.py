@@ -18,6 +18,8 @@ import torch
 from ladle.config import EngineConfig
 from ladle.engine.handoff import HandoffStats, KVExports, KVHandoff, block_writer, export_handoff, handoff_mismatch
 from ladle.engine.hybrid import check_hybrid, start_states
+from ladle.engine.image_prompts import ImagePrompts, takes_images
+from ladle.engine.multimodal import ImagePrompt, ImageSpan, ImageTokens
 from ladle.engine.kv_cache import KVCacheManager
 from ladle.engine.kv_events import KVEventLog
 from ladle.engine.kv_report import describe_kv_bytes
@@ -122,6 +124,9 @@ class LLMEngine:
         self.loras = self._start_lora() if config.enable_lora else None
         self.reasoning = ReasoningSpec.of(self.tokenizer, tags_for(config.reasoning_parser)) \
             if config.reasoning_parser else None
+        self.images = ImagePrompts.from_folder(folder, self.tokenizer, self.dtype.dtype,
+                                               config.mm_encoder_cache_mib * 2**20) \
+            if takes_images(folder) and config.load_format != "dummy" else None
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids))
         log.info("matmuls: decode on %s, prefill on %s (measured: %s)", self.runner.model.routing.decode,
                  self.runner.model.routing.prefill, self.runner.model.routing.measured)
@@ -316,14 +321,15 @@ class LLMEngine:
 
     # -- requests -------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    priority: int = 0, arrival_time: float | None = None, lora: str | None = None) -> list[int]:
+    def add_request(self, request_id: str, prompt: str | list[int] | ImagePrompt | ImageTokens,
+                    params: SamplingParams, priority: int = 0, arrival_time: float | None = None,
+                    lora: str | None = None) -> list[int]:
         """Queue a request, on the LoRA adapter named `lora` if given; returns its prompt token ids.
         Raises InvalidRequestError."""
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already running", param="request_id")
         adapter = self._adapter(lora)
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        ids, spans = self._prompt_ids(prompt)
         self._check_prompt(ids, params)
         if params.bad_words and params.bad_words_token_ids is None:  # not yet tokenized by the caller
             params = replace(params)
@@ -334,7 +340,8 @@ class LLMEngine:
         arrival = time.time() if arrival_time is None else arrival_time
         grammar = self.grammars.compile(params.structured_outputs) if params.structured_outputs else None
         handoff, params = params.kv_handoff, replace(params, kv_handoff=None)
-        seqs = [self._new_sequence(request_id, i, ids, params, priority, arrival, adapter) for i in range(params.n)]
+        seqs = [self._new_sequence(request_id, i, ids, params, priority, arrival, adapter, spans)
+                for i in range(params.n)]
         for seq in seqs if grammar is not None else ():
             seq.grammar = GrammarState(grammar)
         if adapter is not None:
@@ -347,6 +354,24 @@ class LLMEngine:
             if not seq.is_finished:
                 self.scheduler.add(seq)
         return ids
+
+    def _prompt_ids(self, prompt: str | list[int] | ImagePrompt | ImageTokens) -> tuple[list[int],
+                                                                                     tuple[ImageSpan, ...]]:
+        """The prompt's token ids and its images' placeholder spans (ladle.engine.multimodal)."""
+        if isinstance(prompt, ImageTokens):
+            return list(prompt.ids), prompt.spans
+        if not isinstance(prompt, ImagePrompt) or not prompt.images:
+            text = prompt.text if isinstance(prompt, ImagePrompt) else prompt
+            return (self.tokenizer.encode(text) if isinstance(text, str) else list(text)), ()
+        if self.images is None:
+            raise InvalidRequestError("this model is text-only: it takes no images", param="images")
+        limit = self.config.limit_mm_per_prompt.get("image")
+        if limit is not None and len(prompt.images) > limit:
+            raise InvalidRequestError(f"{len(prompt.images)} images in one prompt, over the limit of {limit} "
+                                      "(--limit-mm-per-prompt)", param="images")
+        if self.runner.workers is not None:
+            raise InvalidRequestError("images under tensor parallelism are not supported yet", param="images")
+        return self.images.prompt(prompt.text, list(prompt.images))
 
     def _continue_from(self, seq: Sequence, handoff: KVHandoff) -> None:
         """Start seq on a prompt's K/V and first token that a prefill engine computed: the blocks
@@ -393,12 +418,12 @@ class LLMEngine:
                 param="max_tokens" if len(ids) < limit else "prompt", code="context_length_exceeded")
 
     def _new_sequence(self, request_id: str, index: int, ids: list[int], params: SamplingParams,
-                      priority: int, arrival: float, lora: AdapterRef | None = None) -> Sequence:
+                      priority: int, arrival: float, lora: AdapterRef | None = None, images: tuple = ()) -> Sequence:
         gen = None if params.seed is None else self.platform.generator(params.seed + index)
         seq = Sequence(seq_id=next(self._seq_ids), request_id=request_id, index=index, token_ids=list(ids),
                        num_prompt_tokens=len(ids), params=params, arrival_time=arrival, priority=priority,
                        eos_token_ids=self.eos_token_ids, generator=gen,
-                       canonical=self.config.deterministic or params.is_scoring, lora=lora)
+                       canonical=self.config.deterministic or params.is_scoring, lora=lora, images=images)
         detok = IncrementalDetokenizer(self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens)
         seq.text = OutputTextTracker(detok, params.stop)
         if self.reasoning is not None and not params.is_scoring:

@@ -152,7 +152,7 @@ class KVCacheManager:
 
     def _match(self, seq: Sequence) -> list[Node]:
         """seq's longest cached path whose blocks hold all the K/V a prompt continuing it needs."""
-        path = self.cache.match(seq.token_ids, self._max_match_blocks(seq), canonical_only=seq.canonical,
+        path = self.cache.match(seq.cache_token_ids, self._max_match_blocks(seq), canonical_only=seq.canonical,
                                 namespace=seq.adapter_id)
         if self.states is not None:  # the state must be restorable where the hit ends
             while path and path[-1].snapshot is None:
@@ -277,8 +277,9 @@ class KVCacheManager:
         if link is None or not link.worth_restoring():
             return parent
         bs, tier = self.block_size, link.tier
+        tokens = seq.cache_token_ids
         for k in range(len(seq.block_table), self._max_match_blocks(seq)):
-            key = tuple(seq.token_ids[k * bs : (k + 1) * bs])
+            key = tuple(tokens[k * bs : (k + 1) * bs])
             digest = chain_digest(parent.digest, key)
             if key in parent.children or not tier.contains(digest, canonical_only=seq.canonical):
                 break
@@ -302,7 +303,7 @@ class KVCacheManager:
         K/V into a fresh block (the runner does the copy) instead of recomputing them."""
         start = seq.num_computed_tokens
         limit = min(start + self.block_size, self.reusable_tokens(seq))
-        source, shared = self.cache.partial_match(parent, seq.token_ids[start:limit], canonical_only=seq.canonical,
+        source, shared = self.cache.partial_match(parent, seq.cache_token_ids[start:limit], canonical_only=seq.canonical,
                                                   namespace=seq.adapter_id)
         if source is None or self.num_free_blocks <= 1:  # keep the source from being evicted for it
             return
@@ -350,11 +351,12 @@ class KVCacheManager:
         computed = seq.num_computed_tokens if self.cache_outputs else min(seq.num_computed_tokens, seq.num_prompt_tokens)
         full = computed // self.block_size
         bs = self.block_size
+        tokens = seq.cache_token_ids
         for k in range(seq.num_cached_blocks, full):
             parent = self._cached_parent(seq, k)
             if (k and parent is None) or seq.block_table[k] == HOLLOW:
                 break
-            key = tuple(seq.token_ids[k * bs : (k + 1) * bs])
+            key = tuple(tokens[k * bs : (k + 1) * bs])
             node = seq.cached_tail = self.cache.insert(parent, key, seq.block_table[k], seq.canonical, seq.adapter_id)
             replaced = seq.canonical and not node.canonical
             if self.states is not None:
@@ -465,7 +467,7 @@ class KVCacheManager:
         parent = self._cached_parent(seq, full)
         if full and parent is None:
             return
-        key = tuple(seq.token_ids[full * self.block_size : computed])
+        key = tuple(seq.cache_token_ids[full * self.block_size : computed])
         self.cache.insert(parent, key, block, seq.canonical, seq.adapter_id)  # the same tokens cached: a no-op
 
     def _ref(self, block_id: int) -> None:

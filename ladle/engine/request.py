@@ -7,11 +7,13 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from ladle.engine.multimodal import cache_tokens
 from ladle.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     import torch
 
+    from ladle.engine.multimodal import ImageSpan
     from ladle.engine.prefix_cache import Node
     from ladle.engine.stop import OutputTextTracker
     from ladle.lora.adapter import AdapterRef
@@ -77,6 +79,8 @@ class Sequence:
     state_slot: int | None = None
     state_restore: int | None = None
     pending_snapshots: dict[int, int] = field(default_factory=dict)
+    # its prompt's image placeholder spans and their embeddings (ladle.engine.multimodal)
+    images: "tuple[ImageSpan, ...]" = ()
     generator: "torch.Generator | None" = None
     grammar: "GrammarState | None" = None  # params.structured_outputs: where the output is in it
     reasoning: "ReasoningTracker | None" = None  # --reasoning-parser: its think block and budget
@@ -111,6 +115,11 @@ class Sequence:
     @property
     def prompt_token_ids(self) -> list[int]:
         return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def cache_token_ids(self) -> list[int]:
+        """token_ids as the prefix cache keys them: an image's placeholders stand for the image."""
+        return cache_tokens(self.token_ids, self.images)
 
     @property
     def adapter_id(self) -> int:

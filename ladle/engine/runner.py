@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ladle.engine.multimodal import embedding_rows
 from ladle.engine.prefix_cache import HOLLOW
 from ladle.engine.request import Sequence
 from ladle.engine.scheduler import ScheduledSeq
@@ -155,12 +156,25 @@ class ModelRunner:
         meta = self._metadata(batch, self._tensor(slots))
         keep, owners = self._kept_states(batch)
         lora = self._lora_batch([(item.seq, item.num_new_tokens) for item in batch])
-        hidden = self.model.forward(self._tensor(input_ids), self._tensor(positions), meta, keep, lora=lora)
+        hidden = self.model.forward(self._tensor(input_ids), self._tensor(positions), meta, keep, lora=lora,
+                                    **self._image_embeds(batch))
         for item in batch:
             item.seq.in_step_copy = None
         if keep is not None:
             self._pool_kept_states(keep, owners)
         return self._logits(batch, hidden, meta.batch_invariant)
+
+    def _image_embeds(self, batch: list[ScheduledSeq]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """The forward's input_embeds: the rows of this step's image placeholders and their embeddings,
+        sliced exactly where a chunk cuts a span (no argument when the step has none)."""
+        rows, embeds, row = [], [], 0
+        for item in batch:
+            start = item.seq.num_computed_tokens
+            for first, part in embedding_rows(item.seq.images, start, start + item.num_new_tokens, row):
+                rows.extend(range(first, first + part.shape[0]))
+                embeds.append(part)
+            row += item.num_new_tokens
+        return {"input_embeds": (self._tensor(rows), torch.cat(embeds).to(self.device))} if rows else {}
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         """int64 on the device: one host-to-device copy."""

@@ -181,7 +181,7 @@ class Scheduler:
             end = min(src.num_computed_tokens + item.num_new_tokens, self.kv.reusable_tokens(seq))
             if not self.kv.cache_outputs:  # generated tokens' K/V may not match a prompt's
                 end = min(end, src.num_prompt_tokens)
-            if end > best_len and (n := common_prefix_len(seq.token_ids, src.token_ids, end)) > best_len:
+            if end > best_len and (n := common_prefix_len(seq.cache_token_ids, src.cache_token_ids, end)) > best_len:
                 best, best_len = src, n
         return best, best_len
 

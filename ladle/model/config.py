@@ -366,6 +366,8 @@ class ModelConfig:
             d = gemma4_text_config(d)
         elif d.get("model_type") in ("qwen3_5", "qwen3_5_moe"):
             d = hybrid_text_config(d)
+        elif d.get("model_type") in ("idefics3", "smolvlm"):  # SmolVLM: a Llama beside the vision tower
+            d = {"model_type": "llama", **d["text_config"]}
         model_type = d.get("model_type", "llama")
         if model_type not in SUPPORTED_ARCHITECTURES:
             raise ValueError(

@@ -282,17 +282,21 @@ class LlamaForCausalLM:
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 keep: KeptStates | None = None, num_layers: int | None = None,
-                lora: LoRABatch | None = None) -> torch.Tensor:
+                lora: LoRABatch | None = None,
+                input_embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """input_ids, positions: [T]. Returns the final normed hidden states [T, hidden]; fills
         `keep` with the rows and layers it names. num_layers: run only the first ones, then the
         final norm (an early exit: self-speculative drafting). lora: each row's adapter term is
-        added to the projections' outputs (ladle.lora)."""
+        added to the projections' outputs (ladle.lora). input_embeds: (rows, embeddings) that stand in for
+        those rows' token embeddings (an image's placeholders)."""
         inv = meta.batch_invariant
         ops = self.ops
         self.attention.prepare(meta)
         h = F.embedding(input_ids, self.embed)
         if self.embed_scale is not None:
             h = h * self.embed_scale
+        if input_embeds is not None:
+            h[input_embeds[0]] = input_embeds[1].to(h.dtype)
         per_layer = None if self.per_layer_inputs is None else self.per_layer_inputs(input_ids, h, inv, self.ops)
         rope = tuple(t.to(h.dtype) for t in self.rotary.tables(positions))  # as transformers rounds them
         local_rope = None if self.local_rotary is None else tuple(

@@ -120,6 +120,7 @@ def language_model_name(name: str) -> str | None:
     """An image-and-text checkpoint's tensor under its language model's own name (None: the vision
     tower's and the projector's, which text alone never reads), in the Hub's naming and transformers 5's."""
     for prefix, renamed in (("language_model.model.", "model."), ("model.language_model.", "model."),
+                            ("model.text_model.", "model."),  # Idefics3's and SmolVLM's
                             ("language_model.lm_head.", "lm_head."), ("lm_head.", "lm_head.")):
         if name.startswith(prefix):
             return renamed + name.removeprefix(prefix)
@@ -143,7 +144,7 @@ def load_weights(folder: Path, dtype: torch.dtype | None = None) -> dict[str, to
         raise FileNotFoundError(f"no *.safetensors files in {folder}")
     config = _config(folder)
     # image-and-text checkpoints: the language model alone
-    text_only = config.get("model_type") in ("gemma3", "gemma4", "qwen3_5", "qwen3_5_moe")
+    text_only = config.get("model_type") in ("gemma3", "gemma4", "qwen3_5", "qwen3_5_moe", "idefics3", "smolvlm")
     weights: dict[str, torch.Tensor] = {}
     for file in files:
         with safe_open(str(file), framework="pt") as f:
