@@ -145,7 +145,7 @@ def test_bad_requests_raise_typed_errors(client: openai.OpenAI) -> None:
         (dict(messages=[{"role": "wizard", "content": "hi"}]), "messages[0].role"),
         (dict(messages=[]), "messages"),
         (dict(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
-         "messages[0].content[0].type"),
+         "messages[0].content[0].image_url"),  # a text-only model
         (dict(max_tokens=None, max_completion_tokens=10**6), "max_completion_tokens"),
         (dict(extra_body={"stop_token_ids": [10**9]}), "stop_token_ids"),
     ]

@@ -18,6 +18,7 @@ from ladle.server.context import ServerContext
 from ladle.server.errors import install_error_handlers
 from ladle.server.middleware import APIKeyMiddleware, BodyLimitMiddleware, RequestLogMiddleware, RootPathMiddleware
 from ladle.server.openapi import install_openapi
+from ladle.server.media import MediaLimits
 from ladle.server.protocol import MAX_LOGPROBS
 from ladle.server.response_store import DEFAULT_MAX_STORED_RESPONSES
 from ladle.server.webui import router as webui_router
@@ -33,7 +34,8 @@ def create_app(engine: AsyncEngine, served_model_name: str, api_key: str | None 
                max_logprobs: int = MAX_LOGPROBS, allowed_origins: list[str] | None = None,
                allowed_methods: list[str] | None = None, allowed_headers: list[str] | None = None,
                allow_credentials: bool = False, root_path: str = "", log_requests: bool = False,
-               max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES, webui: bool = True) -> FastAPI:
+               max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES, webui: bool = True,
+               media: MediaLimits | None = None) -> FastAPI:
     """The app starts the engine thread on startup; stopping it is the caller's (`engine.shutdown()`),
     so one engine can outlive several apps. tool_call_parser: parse tool calls out of replies to
     tool_choice "auto" (vLLM's --enable-auto-tool-choice --tool-call-parser NAME); None refuses "auto".
@@ -41,7 +43,7 @@ def create_app(engine: AsyncEngine, served_model_name: str, api_key: str | None 
     allowed_origins: the origins browsers may call from (CORS; None or [] for none, ["*"] for any),
     with allowed_methods and allowed_headers (default any) and allow_credentials. root_path: the
     prefix a proxy serves the app under. log_requests: one log line per request ("ladle.requests").
-    webui: serve the browser playground at `/`."""
+    webui: serve the browser playground at `/`. media: how images named by URL are fetched and decoded."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -59,7 +61,8 @@ def create_app(engine: AsyncEngine, served_model_name: str, api_key: str | None 
     app.state.ctx = ctx = ServerContext(engine, served_model_name, model_root=str(engine.engine.model_path),
                                         decision_extensions=decision_extensions or Extensions(served_model_name),
                                         tool_call_parser=tool_call_parser, chat_template=chat_template,
-                                        max_logprobs=max_logprobs, max_stored_responses=max_stored_responses)
+                                        max_logprobs=max_logprobs, max_stored_responses=max_stored_responses,
+                                        media=media or MediaLimits())
     install_error_handlers(app)
     for router in ROUTERS:
         app.include_router(router)

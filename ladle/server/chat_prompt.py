@@ -65,7 +65,9 @@ def _message_dict(i: int, m: ChatMessage) -> dict[str, Any]:
     if m.tool_calls and m.role != "assistant":
         raise InvalidRequestError("only assistant messages carry tool_calls", param=f"messages[{i}].tool_calls")
     # "developer" is what newer OpenAI clients call the system message
-    msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.text(f"messages[{i}]")}
+    where = f"messages[{i}]"
+    content = m.parts(where) if m.image_urls(where) else m.text(where)  # images: the template places them
+    msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": content}
     if m.name:
         msg["name"] = m.name
     if m.tool_calls:

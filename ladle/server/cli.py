@@ -10,6 +10,7 @@ import sys
 
 from ladle.config import EngineConfig, add_engine_arguments, engine_config_from_args
 from ladle.tools.parsers import TOOL_CALL_PARSERS
+from ladle.server.media import DEFAULT_FETCH_TIMEOUT_S, DEFAULT_MAX_IMAGE_BYTES, MediaLimits
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
@@ -54,6 +55,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="a Jinja chat template (a file, or the template itself) replacing the model's")
     c.add_argument("--max-logprobs", type=int, default=None,
                    help="the most top logprobs a request may ask for (default and most: 20)")
+    m = parser.add_argument_group("images")
+    m.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
+                   help="let requests name images as file: URLs under DIR (vLLM's flag; default: no local files)")
+    m.add_argument("--media-fetch-timeout", type=float, default=DEFAULT_FETCH_TIMEOUT_S, metavar="SECONDS",
+                   help="how long fetching an image's http(s) URL may take before the request is a 400")
+    m.add_argument("--max-image-bytes", type=int, default=DEFAULT_MAX_IMAGE_BYTES, metavar="N",
+                   help="the largest image file a request may send or name")
     t = parser.add_argument_group("tool calling")
     t.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='serve tool_choice "auto" (the default when a request has tools): parse calls out of replies')
@@ -104,7 +112,9 @@ def app_options(args: argparse.Namespace) -> dict:
                 allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials,
                 root_path=args.root_path, log_requests=args.enable_log_requests, webui=args.webui,
                 max_stored_responses=DEFAULT_MAX_STORED_RESPONSES if args.max_stored_responses is None
-                else args.max_stored_responses)
+                else args.max_stored_responses,
+                media=MediaLimits(max_bytes=args.max_image_bytes, fetch_timeout_s=args.media_fetch_timeout,
+                                  allowed_local_media_path=args.allowed_local_media_path))
 
 
 def serving_config(args: argparse.Namespace) -> tuple[EngineConfig, str, dict]:

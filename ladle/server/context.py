@@ -12,6 +12,8 @@ from ladle.config import EngineConfig
 from ladle.decisions.extensions import Extensions
 from ladle.distributed.kv_transfer import KVTransferServer, TransferStats
 from ladle.engine.async_engine import AsyncEngine
+from ladle.engine.multimodal import ImagePrompt
+from ladle.errors import InvalidRequestError
 from ladle.model.hub import parse_hub_id
 from ladle.model.tokenizer import Tokenizer
 from ladle.reasoning.parser import ThinkTags, is_harmony, tags_for
@@ -21,6 +23,7 @@ from ladle.server.kv_transfer_metrics import KVTransferCollector
 from ladle.server.parallel_metrics import ParallelCollector
 from ladle.server.live import LiveRequests
 from ladle.server.logprobs import TokenNames
+from ladle.server.media import MediaLimits, load_image
 from ladle.server.metrics import Metrics
 from ladle.server.protocol import MAX_LOGPROBS
 from ladle.server.response_store import DEFAULT_MAX_STORED_RESPONSES, ResponseStore
@@ -46,6 +49,7 @@ class ServerContext:
     chat_template: str | None = None  # --chat-template: replaces the tokenizer's for chat requests
     max_logprobs: int = MAX_LOGPROBS  # --max-logprobs: the most top logprobs a request may ask for
     max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES
+    media: MediaLimits = field(default_factory=MediaLimits)  # how image URLs are fetched and decoded
     created: int = field(default_factory=lambda: int(time.time()))
     names: TokenNames = field(init=False)
     metrics: Metrics = field(init=False)
@@ -86,6 +90,24 @@ class ServerContext:
         if requested is not None and requested > self.max_logprobs:
             raise APIError(400, f"{param} is {requested}, more than this server returns ({self.max_logprobs}: "
                            "its --max-logprobs)", param=param)
+
+    def check_images(self, images: list[tuple[str, str]]) -> None:
+        """Before anything is fetched, a 400 naming the image part (its name, its URL) at fault: the first
+        one to a text-only model, or the first past --limit-mm-per-prompt."""
+        engine = self.engine.engine
+        if images and engine.images is None:
+            raise InvalidRequestError(f"{images[0][0]}: this model is text-only: it takes no images",
+                                      param=images[0][0])
+        limit = engine.config.limit_mm_per_prompt.get("image")
+        if limit is not None and len(images) > limit:
+            where = images[limit][0]
+            raise InvalidRequestError(f"{where}: {len(images)} images in one prompt, over the limit of {limit} "
+                                      "(--limit-mm-per-prompt)", param=where)
+
+    async def image_prompt(self, text: str, images: list[tuple[str, str]]) -> ImagePrompt:
+        """text and the images its parts name ((part name, URL), in order), fetched and decoded; a 400
+        names the part that fails."""
+        return ImagePrompt(text, tuple([await load_image(url, where, self.media) for where, url in images]))
 
     def check_model(self, model: str | None, status: int = 404) -> ServedModel:
         """The model a request names: omitted (as vLLM allows) or the served name is the base model,

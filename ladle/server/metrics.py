@@ -18,6 +18,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from ladle.engine.async_engine import AsyncEngine, StepReport
 from ladle.engine.request import RequestTimings, Sequence
 from ladle.spec_decode.stats import SpecDecodeStats
+from ladle.engine.encoder_cache import EncoderStats
 
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
@@ -70,6 +71,8 @@ class EngineStateCollector:
             family.add_metric([self.model_name], value)
             yield family
         yield from self._spec_decode(s.spec_decode)
+        if self.engine.engine.images is not None:
+            yield from self._images(self.engine.engine.images.stats)
         if s.kv_offload is not None:
             yield from self._kv_offload(s)
         if self.engine.lora_enabled:
@@ -110,6 +113,18 @@ class EngineStateCollector:
              "instead of recomputed.", stats.restored),
             ("ladle:kv_offload_dropped_blocks", "KV blocks that left the offload tier unread: for room, or "
              "found corrupt or missing.", stats.dropped),
+        ):
+            family = CounterMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric([self.model_name], value)
+            yield family
+
+    def _images(self, stats: EncoderStats) -> Iterator[Metric]:
+        """A vision-language model's images: received, encoded (runs and seconds), and found in the encoder cache."""
+        for name, doc, value in (
+            ("ladle:images_received", "Images received in prompts.", stats.images),
+            ("ladle:image_encoder_runs", "Images the vision encoder ran on (the others were cached).", stats.runs),
+            ("ladle:image_encoder_seconds", "Seconds spent processing and encoding images.", stats.seconds),
+            ("ladle:image_encoder_cache_hits", "Images found in the encoder cache (by content hash).", stats.hits),
         ):
             family = CounterMetricFamily(name, doc, labels=["model_name"])
             family.add_metric([self.model_name], value)

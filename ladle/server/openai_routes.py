@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
 from fastapi import APIRouter, Request
@@ -126,6 +126,9 @@ class ChatInputs:
     tools: ToolPlan | None
     lora: str | None  # the adapter `model` names
     thinking: Thinking | None  # --reasoning-parser: how its replies split into reasoning and content
+    # a prompt with images: its text and each image's (part name, URL), fetched when it is submitted
+    text: str = ""
+    images: list[tuple[str, str]] = field(default_factory=list)
 
 
 def prepare_chat(ctx: ServerContext, req: ChatCompletionRequest) -> ChatInputs:
@@ -138,10 +141,14 @@ def prepare_chat(ctx: ServerContext, req: ChatCompletionRequest) -> ChatInputs:
     tools = tool_plan_of(req, ctx.tool_call_parser)
     params = _chat_params(ctx, req, tools)
     template_kwargs = harmony.template_kwargs(req) if ctx.harmony else req.chat_template_kwargs
+    images = [url for i, m in enumerate(req.messages) for url in m.image_urls(f"messages[{i}]")]
+    ctx.check_images(images)
     prompt = chat_prompt(ctx.chat_tokenizer, req.messages, req.add_generation_prompt,
                          req.continue_final_message, template_kwargs, tools.tools if tools else None)
     tags = ctx.reasoning_tags
     thinking = None if tags is None else Thinking(tags, prompt_opens_reasoning(prompt, tags), ctx.harmony)
+    if images:  # the engine expands and tokenizes it (no truncation: it would cut into an image)
+        return ChatInputs([], params, tools, model.lora, thinking, prompt, images)
     ids = ctx.engine.tokenizer.encode(prompt, keep_last=req.prompt_room(ctx.engine.max_model_len))
     return ChatInputs(ids, params, tools, model.lora, thinking)
 
@@ -159,8 +166,9 @@ def _chat_params(ctx: ServerContext, req: ChatCompletionRequest, tools: ToolPlan
 
 async def submit_chat(ctx: ServerContext, request: Request, request_id: str, req: ChatCompletionRequest,
                       inputs: ChatInputs) -> RequestStream:
-    stream = await _submit(ctx, request_id, inputs.prompt_ids, inputs.params, req.priority, _renames(req),
-                           inputs.lora)
+    prompt = await ctx.image_prompt(inputs.text, inputs.images) if inputs.images else inputs.prompt_ids
+    stream = await _submit(ctx, request_id, prompt, inputs.params, req.priority, _renames(req), inputs.lora)
+    inputs.prompt_ids = stream.prompt_token_ids
     record = request_record(request)
     record.request_id, record.prompt_tokens = request_id, len(inputs.prompt_ids)
     return stream
@@ -173,9 +181,10 @@ async def chat_completions(request: Request) -> Response:
     req = await parse_body(request, ChatCompletionRequest)
     inputs = prepare_chat(ctx, req)
     inputs.params = await with_kv_transfer(ctx, req.kv_transfer_params, inputs.params, req.stream)
-    ids, tools = inputs.prompt_ids, inputs.tools
+    tools = inputs.tools
     request_id = _response_id("chatcmpl", req)
     stream = await submit_chat(ctx, request, request_id, req, inputs)
+    ids = inputs.prompt_ids
     tracked = ctx.live.add([request_id, req.request_id], [stream.request_id])
     if req.stream:
         return sse_response(_chat_events(ctx, req, stream, inputs, request_record(request), tracked))

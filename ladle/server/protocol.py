@@ -224,12 +224,46 @@ class ChatMessage(_Request):
         texts = []
         for j, part in enumerate(self.content):
             if part.type != "text" or part.text is None:
-                raise InvalidRequestError(f"content parts of type {part.type!r} are not supported (only 'text')",
-                                          param=f"{where}.content[{j}].type")
+                raise InvalidRequestError(f"content parts of type {part.type!r} are not supported (only 'text' and "
+                                          "'image_url')", param=f"{where}.content[{j}].type")
             if part.model_extra:
                 raise unrecognized(f"{where}.content[{j}].{next(iter(part.model_extra))}")
             texts.append(part.text)
         return "\n".join(texts)
+
+
+    def image_urls(self, where: str) -> list[tuple[str, str]]:
+        """(the part's name, its URL) for each image_url content part, in order."""
+        if not isinstance(self.content, list):
+            return []
+        return [(f"{where}.content[{j}].image_url", _image_url(part, f"{where}.content[{j}]"))
+                for j, part in enumerate(self.content) if part.type == "image_url"]
+
+    def parts(self, where: str) -> list[dict[str, str]]:
+        """The content as the parts chat templates of vision models read: {"type": "text", "text": ...} and
+        {"type": "image"} where each image goes."""
+        return [{"type": "image"} if part.type == "image_url" else {"type": "text", "text": ChatMessage(
+            role=self.role, content=[part]).text(f"{where}.content[{j}]")} for j, part in enumerate(self.content)]
+
+
+def _image_url(part: TextPart, where: str) -> str:
+    """An image_url part's URL: {"image_url": {"url": ..., "detail": "auto"}} (or the URL alone)."""
+    extra = dict(part.model_extra or {})
+    value = extra.pop("image_url", None)
+    if extra or part.text is not None:
+        raise unrecognized(f"{where}.{next(iter(extra)) if extra else 'text'}")
+    if isinstance(value, dict):
+        value = dict(value)
+        url, detail = value.pop("url", None), value.pop("detail", "auto")
+        if value:
+            raise unrecognized(f"{where}.image_url.{next(iter(value))}")
+        if detail != "auto":
+            raise InvalidRequestError(f"{where}.image_url.detail {detail!r} is not supported (only 'auto')",
+                                      param=f"{where}.image_url.detail")
+        value = url
+    if not isinstance(value, str) or not value:
+        raise InvalidRequestError(f"{where}.image_url needs a url", param=f"{where}.image_url")
+    return value
 
 
 class ChatCompletionRequest(_Sampling):

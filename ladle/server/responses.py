@@ -62,9 +62,10 @@ async def parse_request(request: Request) -> ResponsesRequest:
 INPUT_ITEMS = {"message": InputMessage, "function_call": FunctionCallInput, "function_call_output": FunctionCallOutput}
 
 
-def input_messages(value: str | list[dict[str, Any]]) -> list[ChatMessage]:
+def input_messages(value: str | list[dict[str, Any]], origins: list[int] | None = None) -> list[ChatMessage]:
     """The request's `input` as chat messages (function calls join the assistant message before them,
-    their outputs become tool messages); 400 naming the item at fault."""
+    their outputs become tool messages); 400 naming the item at fault. origins: filled with each
+    message's item index."""
     if isinstance(value, str):
         return [ChatMessage(role="user", content=value)]
     if not value:
@@ -82,7 +83,9 @@ def input_messages(value: str | list[dict[str, Any]]) -> list[ChatMessage]:
         elif isinstance(item, FunctionCallOutput):
             messages.append(ChatMessage(role="tool", tool_call_id=item.call_id, content=item.output))
         else:
-            messages.append(ChatMessage(role=item.role, content=item.text(f"input[{i}]")))
+            messages.append(ChatMessage(role=item.role, content=item.chat_content(f"input[{i}]")))
+        if origins is not None:
+            origins += [i] * (len(messages) - len(origins))
     return messages
 
 
@@ -120,13 +123,18 @@ def _chat_request(req: ResponsesRequest, conversation: list[ChatMessage]) -> Cha
 
 
 @contextmanager
-def _named_as_sent() -> Iterator[None]:
-    """Errors of the chat path name the chat request's fields: rename them to this request's."""
+def _named_as_sent(first: int = 0, origins: list[int] | None = None) -> Iterator[None]:
+    """Errors of the chat path name the chat request's fields: rename them to this request's. A content
+    part (an image) of chat message first + k is named in input item origins[k]."""
     try:
         yield
     except InvalidRequestError as e:
         param = e.param or ""
         new = _RENAMES.get(param) or ("input" if param.startswith("messages[") else None)
+        index, _, rest = param.removeprefix("messages[").partition("]")
+        if new == "input" and rest.startswith(".content[") and index.isdigit() and origins is not None \
+                and 0 <= int(index) - first < len(origins):
+            new = f"input[{origins[int(index) - first]}]{rest}"
         if new is None:
             raise
         raise InvalidRequestError(e.message.replace(param, new), new, e.code) from None
@@ -193,10 +201,11 @@ async def create_response(request: Request) -> Response:
     ctx = get_context(request)
     req = await parse_request(request)
     req.check_supported()
-    conversation = _previous_conversation(ctx, req.previous_response_id) + input_messages(req.input)
+    previous, origins = _previous_conversation(ctx, req.previous_response_id), []
+    conversation = previous + input_messages(req.input, origins)
     chat_req = _chat_request(req, conversation)
     turn_id = openai_id("resp")
-    with _named_as_sent():
+    with _named_as_sent(len(chat_req.messages) - len(conversation) + len(previous), origins):
         inputs = prepare_chat(ctx, chat_req)
         stream = await submit_chat(ctx, request, turn_id, chat_req, inputs)
     turn = Turn(req, req.model or ctx.model_name, inputs.tools, conversation, inputs.params.temperature, inputs.params.top_p,

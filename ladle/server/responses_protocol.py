@@ -10,7 +10,7 @@ from ladle.errors import InvalidRequestError
 from ladle.server.constraints import (
     FunctionDefinition, JsonSchemaFormat, NamedFunction, NamedToolChoice, ResponseFormat, ToolDefinition,
 )
-from ladle.server.protocol import _Request, _Response
+from ladle.server.protocol import TextPart, _Request, _Response
 
 
 # -- /v1/responses ---------------------------------------------------------------
@@ -42,6 +42,30 @@ class InputMessage(_Closed):
     id: str | None = None  # set on an earlier reply's message passed back as input
     status: str | None = None
 
+    def chat_content(self, where: str) -> str | list[TextPart]:
+        """The content as a chat message's: its text, or with input_image parts, chat's text and image_url parts."""
+        if isinstance(self.content, str) or all(part.type != "input_image" for part in self.content):
+            return self.text(where)
+        return [self._image_part(part, f"{where}.content[{j}]") if part.type == "input_image"
+                else TextPart(type="text", text=InputMessage(role=self.role, content=[part]).text(f"{where}.content[{j}]"))
+                for j, part in enumerate(self.content)]
+
+    @staticmethod
+    def _image_part(part: InputPart, where: str) -> TextPart:
+        """An input_image part ({"image_url": URL, "detail": "auto"}) as chat's image_url part."""
+        extra = dict(part.model_extra or {})
+        url, detail = extra.pop("image_url", None), extra.pop("detail", "auto")
+        if extra or part.text is not None:
+            param = f"{where}.{next(iter(extra)) if extra else 'text'}"
+            raise InvalidRequestError(f"{param} is not supported by /v1/responses (an image by image_url only)",
+                                      param=param)
+        if detail != "auto":
+            raise InvalidRequestError(f"{where}.detail {detail!r} is not supported (only 'auto')",
+                                      param=f"{where}.detail")
+        if not isinstance(url, str) or not url:
+            raise InvalidRequestError(f"{where}.image_url needs a URL", param=f"{where}.image_url")
+        return TextPart(type="image_url", image_url={"url": url})
+
     def text(self, where: str) -> str:
         if isinstance(self.content, str):
             return self.content
@@ -49,7 +73,8 @@ class InputMessage(_Closed):
         for j, part in enumerate(self.content):
             if part.type not in ("input_text", "output_text") or part.text is None:
                 raise InvalidRequestError(f"content parts of type {part.type!r} are not supported "
-                                          "(only input_text and output_text)", param=f"{where}.content[{j}].type")
+                                          "(only input_text, output_text and input_image)",
+                                          param=f"{where}.content[{j}].type")
             if part.model_extra:
                 param = f"{where}.content[{j}].{next(iter(part.model_extra))}"
                 raise InvalidRequestError(f"{param} is not supported by /v1/responses", param=param)
