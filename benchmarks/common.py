@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import random
@@ -38,6 +39,15 @@ def cpu_name() -> str:
 
 def machine() -> str:
     return f"{cpu_name()} cores={os.cpu_count()} torch_threads={torch.get_num_threads()}"
+
+
+def write_results(out: str | None, args: object, results: dict) -> None:
+    """A script's results as JSON at `out` (none: nothing written), with the machine and the arguments."""
+    if not out:
+        return
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps({"machine": machine(), "args": vars(args), "results": results}, indent=1))
+    print(f"wrote {out}")
 
 
 def random_prompt_ids(rng: random.Random, length: int, vocab_lo: int = 200, vocab_hi: int = 40000) -> list[int]:

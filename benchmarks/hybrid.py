@@ -19,7 +19,6 @@ shared prefix plus a short suffix, cold and from the prefix cache.
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import statistics
 import sys
@@ -30,7 +29,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import machine  # noqa: E402
+from common import machine, write_results  # noqa: E402
 
 from ladle import LLM, SamplingParams  # noqa: E402
 from ladle.engine.kv_report import kv_bytes_per_token  # noqa: E402
@@ -208,10 +207,7 @@ def main() -> None:
               f"{a['max_running'] / b['max_running']:.2f}x the sequences in {args.budget_mib} MiB; "
               f"prefix hit cuts TTFT {a['ttft_cold_s'] / a['ttft_cached_s']:.1f}x "
               f"({a['cached_tokens']} cached tokens)")
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"machine": machine(), "args": vars(args), "results": res}, indent=1))
-        print(f"wrote {args.out}")
+    write_results(args.out, args, res)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ it took), and whether ladle's greedy tokens equal transformers' on the same mode
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import sys
 import tempfile
@@ -26,7 +25,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import machine  # noqa: E402
+from common import machine, write_results  # noqa: E402
 
 from ladle import LLM, SamplingParams  # noqa: E402
 from ladle.engine.prefix_cache import HOLLOW  # noqa: E402
@@ -168,10 +167,7 @@ def main() -> None:
         print(f"{layout} / full: {full['blocks_per_seq'] / r['blocks_per_seq']:.2f}x fewer blocks per sequence, "
               f"{r['max_running'] / full['max_running']:.2f}x the batch, "
               f"{r['decode_tok_s'] / full['decode_tok_s']:.2f}x decode tok/s")
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"machine": machine(), "args": vars(args), "results": res}, indent=1))
-        print(f"wrote {args.out}")
+    write_results(args.out, args, res)
 
 
 if __name__ == "__main__":
