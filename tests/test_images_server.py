@@ -1,7 +1,8 @@
-"""Images over HTTP on a tiny SmolVLM/Idefics3: the openai SDK sending a data URL to chat and to responses,
-an http URL fetched from a loopback server, each answered as transformers answers the same image; every
-refusal a 400 naming the part (undecodable, too large, too many, a URL that fails or times out, a file
-outside --allowed-local-media-path, an image to a text-only model), the server serving on after each."""
+"""Images over HTTP on a tiny SmolVLM/Idefics3: the openai SDK sending a data URL to chat, to responses and
+to decisions, an http URL fetched from a loopback server, each answered as transformers answers the same
+image; several decision questions about one image encode it once; every refusal a 400 naming the part
+(undecodable, too large, too many, a URL that fails or times out, a file outside
+--allowed-local-media-path, an image to a text-only model), the server serving on after each."""
 
 from __future__ import annotations
 
@@ -155,6 +156,68 @@ def test_each_refusal_names_the_part_and_the_server_serves_on(vlm, image_host: s
         chat(client, *urls(image_host))
     assert e.value.status_code == 400 and e.value.body["param"] == param, e.value.body
     assert chat(client, data_url(png(drawn_image(2))))  # still serving
+
+
+QUESTIONS = [
+    {"type": "choice", "instructions": "What is the main colour?",
+     "choices": [{"value": "red"}, {"value": "green"}, {"value": "blue"}]},
+    {"type": "predicate", "instructions": "There is a circle."},
+    {"type": "score", "instructions": "How busy is the picture?", "levels": [{"label": "empty"}, {"label": "some"},
+                                                                            {"label": "crowded"}]},
+    {"type": "predicate", "instructions": "The parcel is damaged."},
+]
+
+
+def hf_label_probabilities(folder: Path, image, text: str, question: dict) -> list[float]:
+    """transformers' label probabilities for one decision question about an image: the prompt rendered in
+    ladle's decision format (its marker where the image goes), then the processor and one forward."""
+    from transformers import AutoProcessor, Idefics3ForConditionalGeneration
+
+    from ladle.decisions.labels import LabelChecker, base_labels
+    from ladle.decisions.openai_dialect import OpenAIDecisionRequest, to_questions
+    from ladle.decisions.render import question_message, render_prompt, template_kwargs
+    from ladle.model.tokenizer import Tokenizer
+
+    [q] = to_questions(OpenAIDecisionRequest(model=MODEL, input="x", questions=[question]))
+    tok, labels = Tokenizer.from_folder(folder), base_labels(q)
+    prompt = render_prompt(tok, question_message(text, q, labels), template_kwargs(None), q, "<image>")
+    processor = AutoProcessor.from_pretrained(str(folder))
+    model = Idefics3ForConditionalGeneration.from_pretrained(str(folder), dtype=torch.float32).eval()
+    inputs = processor(text=prompt, images=[image], return_tensors="pt")
+    label_ids = LabelChecker(tok).check(q, prompt, inputs["input_ids"][0].tolist(), labels)
+    with torch.no_grad():
+        logits = model(**inputs).logits[0, -1]
+    return torch.softmax(torch.log_softmax(logits.double(), -1)[label_ids], -1).tolist()
+
+
+def test_decisions_about_an_image_match_transformers_and_encode_it_once(vlm, folder: Path) -> None:
+    server, client, _ = vlm
+    image = drawn_image(11)
+    content = [{"type": "input_image", "image_url": data_url(png(image))}, {"type": "input_text", "text": "A photo."}]
+    before = server.scrape()
+    d = client.decisions.create(model=MODEL, input=[{"role": "user", "content": content}], questions=QUESTIONS)
+    after = server.scrape()
+    assert after["ladle:image_encoder_runs_total"] - before["ladle:image_encoder_runs_total"] == 1
+    assert after["ladle:images_received_total"] - before["ladle:images_received_total"] == len(QUESTIONS)
+    assert d.usage.input_tokens_details.cached_tokens >= 3 * 80  # the others start on the first's image blocks
+    choice = [p.probability for p in d.answers[0].probabilities]
+    want = hf_label_probabilities(folder, image, "<image>\nA photo.", QUESTIONS[0])
+    assert choice == pytest.approx(want, abs=1e-4)
+    assert d.answers[1].probability == pytest.approx(hf_label_probabilities(folder, image, "<image>\nA photo.",
+                                                                            QUESTIONS[1])[0], abs=1e-4)
+    again = client.decisions.create(model=MODEL, input=[{"role": "user", "content": content}], questions=QUESTIONS)
+    assert [p.probability for p in again.answers[0].probabilities] == choice  # canonical: the same bits cached
+    other = [{"type": "input_image", "image_url": data_url(png(drawn_image(12)))}, content[1]]
+    miss = client.decisions.create(model=MODEL, input=[{"role": "user", "content": other}], questions=QUESTIONS[:1])
+    assert [p.probability for p in miss.answers[0].probabilities] != choice
+
+
+def test_an_image_in_question_instructions_is_refused_by_name(vlm) -> None:
+    server, client, _ = vlm
+    question = {"type": "predicate", "instructions": [{"type": "input_image", "image_url": data_url(b"x")}]}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.decisions.create(model=MODEL, input="A photo.", questions=[question])
+    assert e.value.body["param"] == "questions[0].instructions[0]", e.value.body
 
 
 def test_responses_refusals_name_the_input_part(vlm) -> None:

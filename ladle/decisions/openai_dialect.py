@@ -7,7 +7,9 @@ list in question order. Rendering and scoring are the reference dialect's.
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, StrictBool, StrictStr, model_serializer
 
@@ -20,6 +22,11 @@ from ladle.decisions.question import (
 from ladle.decisions.render import render_json_or_text
 from ladle.engine.async_engine import AsyncEngine
 from ladle.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    from PIL.Image import Image
+
+LoadImages = Callable[[list[tuple[str, str]]], Awaitable[tuple["Image", ...]]]
 
 # -- request -------------------------------------------------------------------------
 
@@ -179,13 +186,23 @@ class OpenAIDecision(BaseModel):
 # -- request -> questions -> answers ---------------------------------------------------
 
 
-def _parts_text(parts: str | list, where: str) -> str:
+def _parts_text(parts: str | list, where: str, images: InputImages | None = None) -> str:
+    """The parts' text; an image part, where images are taken, becomes the model's marker and its
+    (part name, URL) joins images.found."""
     if isinstance(parts, str):
         return parts
     texts = []
     for j, part in enumerate(parts):
+        if isinstance(part, ImagePart) and images is not None and images.marker is not None:
+            if part.detail not in (None, "auto"):
+                raise InvalidRequestError(f"{where}[{j}].detail {part.detail!r} is not supported (only 'auto')",
+                                          param=f"{where}[{j}].detail")
+            images.found.append((f"{where}[{j}].image_url", part.image_url))
+            texts.append(images.marker)
+            continue
         if isinstance(part, ImagePart):
-            raise InvalidRequestError(f"{where}[{j}]: images are not supported (this server serves a text model)",
+            why = "this server serves a text model" if images is not None else "images go in input"
+            raise InvalidRequestError(f"{where}[{j}]: images are not supported here ({why})",
                                       param=f"{where}[{j}]", code="unsupported_content")
         if isinstance(part, JSONPart):
             texts.append(json.dumps(part.data, ensure_ascii=False, separators=(",", ":")))
@@ -194,8 +211,18 @@ def _parts_text(parts: str | list, where: str) -> str:
     return "\n".join(texts)
 
 
-def input_text(value: str | list[dict[str, Any]]) -> str:
-    """A string as is; one user message as its text; several messages as a `role: text` transcript."""
+@dataclass
+class InputImages:
+    """The input's image parts: marked in its text with the model's marker (None: a text model, which
+    refuses them), collected as (part name, URL) in order."""
+
+    marker: str | None
+    found: list[tuple[str, str]] = field(default_factory=list)
+
+
+def input_text(value: str | list[dict[str, Any]], images: InputImages | None = None) -> str:
+    """A string as is; one user message as its text; several messages as a `role: text` transcript.
+    images: where image parts are taken (marked, and collected into it)."""
     if isinstance(value, str):
         return render_json_or_text(value, "input")
     if not value:
@@ -207,7 +234,7 @@ def input_text(value: str | list[dict[str, Any]]) -> str:
             raise InvalidRequestError(f"input[{i}]: items of type {kind!r} are not supported (only messages)",
                                       param=f"input[{i}].type", code="unsupported_content")
         m = parse(Message, item, ("input", i))
-        messages.append((m.role, _parts_text(m.content, f"input[{i}].content")))
+        messages.append((m.role, _parts_text(m.content, f"input[{i}].content", images)))
     if len(messages) == 1 and messages[0][0] == "user":
         return render_json_or_text(messages[0][1], "input[0].content")
     return render_json_or_text("\n\n".join(f"{role}: {text}" for role, text in messages), "input")
@@ -249,9 +276,14 @@ def _question(rq: PredicateQuestion | ChoiceQuestion | ScoreQuestion, where: str
 
 
 async def handle(engine: AsyncEngine, model_name: str, req: OpenAIDecisionRequest,
-                 extensions: Extensions | None = None) -> OpenAIDecision:
-    text = input_text(req.input)
-    result = await decide(engine, text, to_questions(req), extensions=extensions)
+                 extensions: Extensions | None = None, load_images: LoadImages | None = None) -> OpenAIDecision:
+    """load_images: fetches and decodes the input's image parts ((part name, URL) in order); None: none taken."""
+    vision = engine.engine.images
+    images = InputImages(vision.marker if vision is not None and load_images is not None else None)
+    text = input_text(req.input, images)
+    questions = to_questions(req)
+    loaded = await load_images(images.found) if images.found else ()
+    result = await decide(engine, text, questions, extensions=extensions, images=loaded)
     return response(model_name, req, result)
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ladle.decisions import scoring
 from ladle.decisions.answers import LabelScores
@@ -13,9 +13,14 @@ from ladle.decisions.labels import TWO_LETTERS, LabelChecker, base_labels
 from ladle.decisions.question import Question
 from ladle.decisions.render import question_message, render_prompt, template_kwargs
 from ladle.engine.async_engine import AsyncEngine
+from ladle.engine.image_prompts import ImagePrompts
+from ladle.engine.multimodal import ImageSpan
 from ladle.errors import InvalidRequestError
 from ladle.heads.head import DecisionHead
 from ladle.model.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from PIL.Image import Image
 
 
 @dataclass
@@ -24,6 +29,7 @@ class Prepared:
     labels: list[str]
     prompt_ids: list[int]
     label_ids: list[int]
+    images: tuple[ImageSpan, ...] = ()  # its images' placeholder spans, where the input has images
 
 
 @dataclass
@@ -47,33 +53,43 @@ class Decisions:
 
 
 def prepare(tokenizer: Tokenizer, max_model_len: int, input_text: str, questions: list[Question],
-            kwargs: dict[str, Any]) -> list[Prepared]:
-    """Render and tokenize every question; raises InvalidRequestError naming the question at fault."""
+            kwargs: dict[str, Any], images: ImagePrompts | None = None,
+            sent: tuple[Image, ...] = ()) -> list[Prepared]:
+    """Render and tokenize every question; raises InvalidRequestError naming the question at fault.
+    images: a vision model's prompts, and sent: the images input_text marks (only on the engine thread,
+    which owns the encoder cache)."""
     checker = LabelChecker(tokenizer)
+    marker = images.marker if images is not None else None
     out = []
     for q in questions:
         labels = base_labels(q)
         if labels is None:  # more than 26 options: pick two-letter labels at this template's answer position
-            probe = render_prompt(tokenizer, question_message(input_text, q, TWO_LETTERS[: len(q.options)]), kwargs, q)
+            probe = render_prompt(tokenizer, question_message(input_text, q, TWO_LETTERS[: len(q.options)]), kwargs,
+                                  q, marker)
             labels = checker.two_letter_labels(q, probe, tokenizer.encode(probe))
-        prompt = render_prompt(tokenizer, question_message(input_text, q, labels), kwargs, q)
-        ids = tokenizer.encode(prompt)
+        prompt = render_prompt(tokenizer, question_message(input_text, q, labels), kwargs, q, marker)
+        ids, spans = images.prompt(prompt, list(sent)) if sent else (tokenizer.encode(prompt), ())
         if len(ids) >= max_model_len:
             raise q.refuse(f"the prompt is {len(ids)} tokens, and this model's context holds {max_model_len} "
                            "(prompt and answer token); decisions never truncate: shorten the input",
                            code="context_length_exceeded")
-        out.append(Prepared(q, labels, ids, checker.check(q, prompt, ids, labels)))
+        out.append(Prepared(q, labels, ids, checker.check(q, prompt, ids, labels), spans))
     return out
 
 
 async def decide(engine: AsyncEngine, input_text: str, questions: list[Question], temperature: float = 1.0,
                  chat_template_kwargs: dict[str, Any] | None = None,
-                 extensions: Extensions | None = None) -> Decisions:
+                 extensions: Extensions | None = None, images: tuple[Image, ...] = ()) -> Decisions:
+    """images: those input_text marks (a vision model's marker at each), encoded once for every question."""
     fitted = [_extension(q, extensions, temperature) for q in questions]
     kwargs = template_kwargs(chat_template_kwargs)
-    # Rendering and tokenizing hundreds of prompts would stall the event loop: do it off it.
-    prepared = await asyncio.to_thread(prepare, engine.tokenizer, engine.max_model_len, input_text, questions,
-                                       kwargs)
+    vision = engine.engine.images
+    if images:  # expanded and encoded where the encoder cache lives: on the engine thread
+        prepared = await engine.call(lambda e: prepare(e.tokenizer, e.max_model_len, input_text, questions, kwargs,
+                                                       vision, images))
+    else:  # rendering and tokenizing hundreds of prompts would stall the event loop: do it off it
+        prepared = await asyncio.to_thread(prepare, engine.tokenizer, engine.max_model_len, input_text, questions,
+                                           kwargs, vision)
     layers = [_head_layer(engine, q, f) for q, f in zip(questions, fitted)]
     jobs = [_job(p, f, layer) for p, f, layer in zip(prepared, fitted, layers)]
     results = await scoring.score(engine, jobs)
@@ -92,11 +108,11 @@ def _head_layer(engine: AsyncEngine, question: Question, fitted: Calibration | D
 
 def _job(p: Prepared, fitted: Calibration | DecisionHead | None, layer: int | None) -> scoring.ScoreJob:
     if not isinstance(fitted, DecisionHead):
-        return scoring.ScoreJob(p.prompt_ids, p.label_ids)
+        return scoring.ScoreJob(p.prompt_ids, p.label_ids, images=p.images)
     if fitted.pooling == "mean" and fitted.pool_from >= len(p.prompt_ids):
         raise p.question.refuse(f"head pools from token {fitted.pool_from}, past this prompt's end",
                                 p.question.field_name("head"))
-    return scoring.ScoreJob(p.prompt_ids, p.label_ids, [layer], fitted.pooling, fitted.pool_from)
+    return scoring.ScoreJob(p.prompt_ids, p.label_ids, [layer], fitted.pooling, fitted.pool_from, p.images)
 
 
 def _extension(q: Question, extensions: Extensions | None, temperature: float) -> Calibration | DecisionHead | None:

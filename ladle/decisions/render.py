@@ -77,10 +77,20 @@ def template_kwargs(requested: dict[str, Any] | None, param: str = "chat_templat
     return {**DEFAULT_TEMPLATE_KWARGS, **requested}
 
 
-def render_prompt(tokenizer: Tokenizer, message: str, kwargs: dict[str, Any], q: Question) -> str:
-    """One user message with the generation prompt; refuses a prompt that leaves reasoning open."""
+def render_prompt(tokenizer: Tokenizer, message: str, kwargs: dict[str, Any], q: Question,
+                  image_marker: str | None = None) -> str:
+    """One user message with the generation prompt; refuses a prompt that leaves reasoning open.
+    image_marker: a vision model's, which marks the message's images: its template is given text and
+    image parts (the marker's place), as vision models' templates read content."""
+    content: str | list[dict[str, str]] = message
+    if image_marker is not None:
+        pieces = message.split(image_marker)
+        content = [{"type": "text", "text": pieces[0]}] if pieces[0] else []
+        for piece in pieces[1:]:
+            content += [{"type": "image"}] + ([{"type": "text", "text": piece}] if piece else [])
+        message = pieces[-1]  # the text the template's own tail follows
     try:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": message}], add_generation_prompt=True,
+        text = tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
                                              **kwargs)
     except jinja2.TemplateError as e:
         raise q.refuse(f"the model's chat template rejected the question: {e}") from e

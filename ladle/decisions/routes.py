@@ -49,6 +49,12 @@ def _extensions(ctx: ServerContext, model: ServedModel) -> Extensions:
     return dataclasses.replace(ctx.decision_extensions, model_name=model.name)
 
 
+async def _images(ctx: ServerContext, parts: list[tuple[str, str]]) -> tuple:
+    """The images these (part name, URL) pairs name, fetched and decoded; a 400 names the part at fault."""
+    ctx.check_images(parts)
+    return (await ctx.image_prompt("", parts)).images
+
+
 async def _answer(request: Request, work: Awaitable[BaseModel]) -> Response:
     try:
         return json_response(await unless_disconnected(request, work))
@@ -65,7 +71,8 @@ async def decisions(request: Request) -> Response:
     if is_openai_dialect(_json(raw)):
         oreq = parse(openai_dialect.OpenAIDecisionRequest, raw)
         model = ctx.check_model(oreq.model, status=400)
-        return await _answer(request, openai_dialect.handle(*_on(ctx, model), oreq, _extensions(ctx, model)))
+        return await _answer(request, openai_dialect.handle(*_on(ctx, model), oreq, _extensions(ctx, model),
+                                                            lambda parts: _images(ctx, parts)))
     req = parse(DecisionsRequest, raw)
     model = ctx.check_model(req.model, status=400)
     return await _answer(request, reference.handle(*_on(ctx, model), req, _extensions(ctx, model)))

@@ -12,6 +12,7 @@ import asyncio
 from dataclasses import dataclass
 
 from ladle.engine.async_engine import AsyncEngine, RequestStream
+from ladle.engine.multimodal import ImageSpan, ImageTokens
 from ladle.engine.sampling_params import SamplingParams
 from ladle.server.protocol import random_id
 
@@ -23,6 +24,11 @@ class ScoreJob:
     hidden_state_layers: list[int] | None = None  # also these layers' states (SamplingParams)
     pooling: str = "last"
     pooling_start: int = 0
+    images: tuple[ImageSpan, ...] = ()  # the prompt's image placeholder spans (ladle.engine.multimodal)
+
+    @property
+    def prompt(self) -> list[int] | ImageTokens:
+        return ImageTokens(self.prompt_ids, self.images) if self.images else self.prompt_ids
 
     def params(self) -> SamplingParams:
         return SamplingParams(max_tokens=1, label_token_ids=self.label_ids,
@@ -54,7 +60,7 @@ async def score(engine: AsyncEngine, jobs: list[ScoreJob], priority: int = 0) ->
 
 async def _submit(engine: AsyncEngine, request_id: str, jobs: list[ScoreJob], priority: int) -> list[RequestStream]:
     """Submit all at once (enqueued in one event-loop turn, so the engine sees them together)."""
-    subs = [engine.add_request(f"{request_id}-{i}", job.prompt_ids, job.params(), priority)
+    subs = [engine.add_request(f"{request_id}-{i}", job.prompt, job.params(), priority)
             for i, job in enumerate(jobs)]
     accepted = await asyncio.gather(*subs, return_exceptions=True)
     streams = [s for s in accepted if isinstance(s, RequestStream)]

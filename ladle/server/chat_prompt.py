@@ -23,9 +23,11 @@ REPLY_ONLY = ("refusal", "annotations", "audio", "function_call")  # message fie
 
 def chat_prompt(tokenizer: Tokenizer, messages: list[ChatMessage], add_generation_prompt: bool = True,
                 continue_final_message: bool = False, template_kwargs: dict[str, Any] | None = None,
-                tools: list[dict[str, Any]] | None = None) -> str:
-    """Render the conversation; raises InvalidRequestError naming the message at fault."""
-    rendered_messages = [_message_dict(i, m) for i, m in enumerate(messages)]
+                tools: list[dict[str, Any]] | None = None, as_parts: bool = False) -> str:
+    """Render the conversation; raises InvalidRequestError naming the message at fault. as_parts: every
+    message's content as text and image parts, as vision models' templates read it (SmolVLM's reads
+    nothing else); otherwise only messages with images have parts."""
+    rendered_messages = [_message_dict(i, m, as_parts) for i, m in enumerate(messages)]
     kwargs = dict(template_kwargs or {})
     if tool_prompt.template_knows_tools(tokenizer.chat_template):
         rendered_messages = tool_prompt.for_template(rendered_messages)
@@ -58,7 +60,7 @@ def load_chat_template(value: str) -> str:
     return path.read_text(encoding="utf-8")
 
 
-def _message_dict(i: int, m: ChatMessage) -> dict[str, Any]:
+def _message_dict(i: int, m: ChatMessage, as_parts: bool = False) -> dict[str, Any]:
     if m.role not in ROLES:
         raise InvalidRequestError(f"role {m.role!r} is not supported; use system, user, assistant or tool",
                                   param=f"messages[{i}].role")
@@ -66,7 +68,7 @@ def _message_dict(i: int, m: ChatMessage) -> dict[str, Any]:
         raise InvalidRequestError("only assistant messages carry tool_calls", param=f"messages[{i}].tool_calls")
     # "developer" is what newer OpenAI clients call the system message
     where = f"messages[{i}]"
-    content = m.parts(where) if m.image_urls(where) else m.text(where)  # images: the template places them
+    content = m.parts(where) if as_parts or m.image_urls(where) else m.text(where)  # the template places images
     msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": content}
     if m.name:
         msg["name"] = m.name
@@ -87,7 +89,10 @@ def _message_dict(i: int, m: ChatMessage) -> dict[str, Any]:
 
 def _cut_after_final_message(text: str, final: dict[str, Any]) -> str:
     """Leave the last (assistant) message open, so generation continues it (vLLM's continue_final_message)."""
-    content = final["content"].rstrip()
+    content = final["content"]
+    if isinstance(content, list):  # parts: the text after its last image is what the prompt ends with
+        content = content[-1].get("text", "") if content else ""
+    content = content.rstrip()
     at = text.rfind(content) if content else -1
     if final["role"] != "assistant" or at < 0:
         raise InvalidRequestError("continue_final_message needs a final assistant message with content",

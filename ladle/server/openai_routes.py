@@ -144,7 +144,8 @@ def prepare_chat(ctx: ServerContext, req: ChatCompletionRequest) -> ChatInputs:
     images = [url for i, m in enumerate(req.messages) for url in m.image_urls(f"messages[{i}]")]
     ctx.check_images(images)
     prompt = chat_prompt(ctx.chat_tokenizer, req.messages, req.add_generation_prompt,
-                         req.continue_final_message, template_kwargs, tools.tools if tools else None)
+                         req.continue_final_message, template_kwargs, tools.tools if tools else None,
+                         as_parts=ctx.engine.engine.images is not None)
     tags = ctx.reasoning_tags
     thinking = None if tags is None else Thinking(tags, prompt_opens_reasoning(prompt, tags), ctx.harmony)
     if images:  # the engine expands and tokenizes it (no truncation: it would cut into an image)

@@ -242,6 +242,8 @@ class ChatMessage(_Request):
     def parts(self, where: str) -> list[dict[str, str]]:
         """The content as the parts chat templates of vision models read: {"type": "text", "text": ...} and
         {"type": "image"} where each image goes."""
+        if not isinstance(self.content, list):
+            return [{"type": "text", "text": self.content}] if self.content else []
         return [{"type": "image"} if part.type == "image_url" else {"type": "text", "text": ChatMessage(
             role=self.role, content=[part]).text(f"{where}.content[{j}]")} for j, part in enumerate(self.content)]
 
