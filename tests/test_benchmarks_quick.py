@@ -74,6 +74,9 @@ SCRIPTS = {
     "long_context": Script([], [rf"\| sliding \| \d+ \| {NUMBER} \| \d+ \| \d+ \| True \|",
                                 rf"sliding / full: {NUMBER}x fewer blocks per sequence, {NUMBER}x the batch"],
                            marks=SLOW),
+    "images": Script([], [rf"\| on \| 4 \| {NUMBER} \| \d+ \| \d+ \| {NUMBER} \|",
+                          rf"\| off \| 64 \| {NUMBER} \|",
+                          rf"caching on: 4 encoder runs for 4 distinct images; {NUMBER}x the decisions/s"], marks=SLOW),
     "worker_kill": Script([], [r"silent cuts: 0; errors not in OpenAI's shape: 0",
                                r"\| chat sdk \| (done|raised) \| \d+ \|"], marks=SLOW),
     # needs a GPU and a Llama 3 tokenizer (benchmarks/gpu/fetch.sh; LADLE_GPU_TOKENIZER, as gpu_check.sh sets it)
