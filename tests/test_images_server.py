@@ -236,3 +236,27 @@ def test_an_image_to_a_text_only_model_is_a_400_naming_it(server) -> None:
     assert e.value.body["param"] == "messages[0].content[0].image_url"
     assert "text-only" in e.value.body["message"]
     assert httpx.get(f"{server.base_url}/models").status_code == 200
+
+
+def test_a_prefill_worker_hands_an_image_prompt_over_keyed_by_the_image(folder: Path, expected: str) -> None:
+    """Disaggregated prefill/decode: the decode worker continues from the K/V of the image prompt, and enters
+    its blocks into its prefix cache under the image's hash (another image with the same text misses)."""
+    def config(role: str) -> EngineConfig:
+        return EngineConfig(model=str(folder), dtype="float32", kv_cache_memory_gib=0.05,
+                            kv_transfer_config={"kv_role": role, "kv_port": 0})
+
+    def ask(server, image, **extra) -> dict:
+        content = [{"type": "image_url", "image_url": {"url": data_url(png(image))}}, {"type": "text", "text": QUESTION}]
+        body = {"model": MODEL, "messages": [{"role": "user", "content": content}], "temperature": 0, "max_tokens": 4,
+                **extra}
+        r = httpx.post(f"{server.base_url}/chat/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    with own_server(config("kv_producer")) as producer, own_server(config("kv_consumer")) as consumer:
+        params = ask(producer, drawn_image(1), max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+        got = ask(consumer, drawn_image(1), kv_transfer_params=params["kv_transfer_params"])
+        assert got["choices"][0]["message"]["content"] == expected
+        assert got["usage"]["prompt_tokens_details"]["cached_tokens"] == got["usage"]["prompt_tokens"]
+        other = ask(consumer, drawn_image(2))
+        assert other["usage"]["prompt_tokens_details"]["cached_tokens"] < 16

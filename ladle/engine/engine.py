@@ -384,7 +384,9 @@ class LLMEngine:
             log.warning("request %s: computing the prompt, not using the K/V handed over: %s", seq.request_id,
                         why or "this engine has no prefix cache")
             return
-        seq.pinned_blocks = self.kv.import_prefix(seq.prompt_token_ids, handoff.blocks, block_writer(tensors))
+        # keyed as the prefix cache keys them: an image's blocks by its hash (the prompt re-sent with its images)
+        seq.pinned_blocks = self.kv.import_prefix(seq.cache_token_ids[: seq.num_prompt_tokens], handoff.blocks,
+                                                  block_writer(tensors))
         self.handoffs.imported += 1
         self.handoffs.imported_tokens += min(len(seq.pinned_blocks) * self.config.block_size, seq.num_prompt_tokens)
         delta = self._append_token(seq, handoff.first_token, handoff.first_logprob, time.time())
