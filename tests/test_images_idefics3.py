@@ -1,8 +1,8 @@
 """SmolVLM/Idefics3 end to end against transformers on a tiny random checkpoint and drawn images:
 ladle's prompt ids equal the processor's, its greedy tokens transformers' argmax, its sampled and
-prompt logprobs within tolerance; one image and two; prefill chunks that cut through image spans;
-the prefix cache keyed by the image (the same image hits, another image with the same text misses);
-scoring with an image bit-identical cold, cached and batched."""
+prompt logprobs within tolerance; one image and two; prefill chunks that cut through image spans; a
+batch preempted in a tight pool; the prefix cache keyed by the image (the same image hits, another image
+with the same text misses); scoring with an image bit-identical cold, cached and batched."""
 
 from __future__ import annotations
 
@@ -74,6 +74,17 @@ def test_one_and_two_images_match_transformers(folder: Path, reference, engine_a
     check_against_transformers(run(llm, QUESTION, one), reference, QUESTION, one)
     check_against_transformers(run(llm, TWO, two), reference, TWO, two)
     assert llm.engine.images.stats.runs == 3
+
+
+def test_a_batch_in_a_tight_pool_is_preempted_and_recomputed_with_its_images(folder: Path, reference) -> None:
+    llm = LLM(str(folder), dtype="float32", num_kv_blocks=32, block_size=8, max_num_batched_tokens=64)
+    one, two = [drawn_image(1)], [drawn_image(2, (40, 64)), drawn_image(3, (30, 30))]
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, logprobs=0)
+    results = llm.generate([{"prompt": QUESTION, "multi_modal_data": {"image": one}},
+                            {"prompt": TWO, "multi_modal_data": {"image": two}}], params)
+    assert llm.engine.scheduler.num_preemptions > 0
+    check_against_transformers(results[0], reference, QUESTION, one)
+    check_against_transformers(results[1], reference, TWO, two)
 
 
 def test_prefix_cache_hits_on_the_same_image_and_misses_on_another(folder: Path, reference) -> None:
