@@ -68,3 +68,49 @@ def drawn_image(kind: int, size: tuple[int, int] = (60, 40)):
         draw.rectangle([x, y, x + size[0] // 3, y + size[1] // 3], fill=colour())
         draw.ellipse([y, x // 2, y + 12, x // 2 + 9], fill=colour())
     return image
+
+
+QWEN_IMAGE_TOKENS = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]
+QWEN_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{m['role']}}\n{% if m['content'] is string %}{{m['content']}}{% else %}"
+    "{% for p in m['content'] %}{% if p['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% else %}{{p['text']}}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def build_tiny_qwen2_5_vl(out: Path, tokenizer_from: Path, seed: int = 0) -> Path:
+    """A tiny random Qwen2.5-VL: a window-attention tower (4-pixel patches, 16-pixel windows, one full
+    block), a Qwen2 text model with M-RoPE (sections 2, 3, 3 of its 8 frequencies); SmolLM2's tokenizer
+    with Qwen's vision tokens, Qwen2-VL's image processor (images resized to 16..64^2 pixels), saved
+    as the Hub names them (visual.*)."""
+    from transformers import AutoTokenizer, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    out.mkdir(parents=True, exist_ok=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer_from / name, out / name)
+    tokenizer = AutoTokenizer.from_pretrained(str(out))
+    tokenizer.add_special_tokens({"additional_special_tokens": QWEN_IMAGE_TOKENS})
+    tokenizer.save_pretrained(str(out))
+    (out / "chat_template.jinja").write_text(QWEN_TEMPLATE)
+    Qwen2VLImageProcessorPil(min_pixels=16 * 16, max_pixels=64 * 64, patch_size=4, merge_size=2,
+                             temporal_patch_size=2).save_pretrained(str(out))
+    vision = {"depth": 3, "hidden_size": 32, "intermediate_size": 64, "num_heads": 4, "patch_size": 4,
+              "temporal_patch_size": 2, "spatial_merge_size": 2, "window_size": 16, "fullatt_block_indexes": [1],
+              "out_hidden_size": 64, "in_channels": 3}
+    text = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "vocab_size": len(tokenizer), "rms_norm_eps": 1e-6, "initializer_range": 0.2,
+            "max_position_embeddings": 2048, "bos_token_id": 1, "eos_token_id": 2,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}}
+    ids = {name: tokenizer.convert_tokens_to_ids(tok) for name, tok in
+           (("image_token_id", "<|image_pad|>"), ("vision_start_token_id", "<|vision_start|>"),
+            ("vision_end_token_id", "<|vision_end|>"), ("video_token_id", "<|video_pad|>"))}
+    torch.manual_seed(seed)
+    model = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(vision_config=vision, text_config=text, **ids))
+    with torch.no_grad():  # norms and biases off 1 and 0, a merger wide enough for images to matter
+        for p in model.model.visual.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+        model.model.visual.merger.mlp[2].weight.normal_(0, 0.5)
+    model.save_pretrained(str(out))
+    return out

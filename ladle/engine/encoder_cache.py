@@ -16,6 +16,7 @@ class EncodedImage:
 
     placeholders: str
     tiles: list[torch.Tensor]
+    grids: list[tuple[int, int] | None] | None = None  # M-RoPE: each tile's rows and columns of tokens
 
     @property
     def nbytes(self) -> int:

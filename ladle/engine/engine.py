@@ -116,7 +116,8 @@ class LLMEngine:
         self.max_model_len = min(model_len, pool_tokens, self.model_config.max_position_embeddings)
         self.kv_events = self._start_kv_events()
         self.scheduler = Scheduler(config, self.kv)
-        if self.platform.graphs and not config.enforce_eager and states is None:  # the states are not graphed
+        # the states are not graphed, nor M-RoPE's positions
+        if self.platform.graphs and not config.enforce_eager and states is None and not self.model_config.mrope_section:
             self.runner.capture_decode_graphs(config.max_num_seqs, self.max_model_len)
         self.sampler = Sampler(config.seed)
         if config.kv_offload_gib > 0:
@@ -131,6 +132,8 @@ class LLMEngine:
         log.info("matmuls: decode on %s, prefill on %s (measured: %s)", self.runner.model.routing.decode,
                  self.runner.model.routing.prefill, self.runner.model.routing.measured)
         spec, c = config.speculative_config, self.model_config
+        if spec is not None and c.mrope_section:  # drafts would need M-RoPE's positions too
+            raise ValueError("speculative decoding on M-RoPE models (Qwen2.5-VL) is not supported yet")
         self.proposer = Proposer(spec, self.runner, self.kv, c.num_hidden_layers, c.vocab_size, self.dtype.dtype,
                                  num_blocks, config.block_size) if spec is not None else None
         self.requests: dict[str, list[Sequence]] = {}
@@ -163,6 +166,8 @@ class LLMEngine:
             raise ValueError("LoRA adapters on Gemma 4 models are not supported yet")
         if c.tensor_parallel_size == 1:
             return None
+        if self.model_config.mrope_section:
+            raise ValueError("tensor parallelism on M-RoPE models (Qwen2.5-VL) is not supported yet")
         from ladle.distributed.tensor_parallel import RankSpec
         from ladle.model.sharding import Shard
 

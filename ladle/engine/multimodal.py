@@ -39,6 +39,7 @@ class ImageSpan:
     offset: int  # prompt position of its first placeholder token
     embeds: torch.Tensor  # [length, hidden]: the input embeddings of its placeholders, in order
     key: int  # < 0: stands for each of its placeholders in prefix-cache keys
+    grid: tuple[int, int] | None = None  # M-RoPE: its tokens' rows and columns (row by row); None: plain positions
 
     @property
     def length(self) -> int:
@@ -73,3 +74,26 @@ def embedding_rows(spans: tuple[ImageSpan, ...], start: int, end: int, row: int)
         if lo < hi:
             out.append((row + lo - start, span.embeds[lo - span.offset : hi - span.offset]))
     return out
+
+
+def mrope_positions(spans: tuple[ImageSpan, ...], start: int, end: int) -> list[list[int]]:
+    """Qwen2.5-VL's M-RoPE positions [3][end - start] (time, row, column) of positions [start, end): a text
+    token's three are one number, its index less what the images before it saved; an image's tokens start
+    where a text token there would, at one time, their rows and columns counted from it; the text after
+    an image goes on from its largest row or column, plus one."""
+    rows: list[list[int]] = [[], [], []]
+    shift, spans = 0, [span for span in spans if span.grid is not None]
+    for k in range(start, end):
+        while spans and spans[0].end <= k:
+            shift += spans[0].length - max(spans[0].grid)
+            spans.pop(0)
+        span = spans[0] if spans and spans[0].offset <= k else None
+        p = k - shift
+        if span is None:
+            t = h = w = p
+        else:
+            j, first = k - span.offset, span.offset - shift
+            t, h, w = first, first + j // span.grid[1], first + j % span.grid[1]
+        for row, value in zip(rows, (t, h, w)):
+            row.append(value)
+    return rows

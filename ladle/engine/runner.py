@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ladle.engine.multimodal import embedding_rows
+from ladle.engine.multimodal import embedding_rows, mrope_positions
 from ladle.engine.prefix_cache import HOLLOW
 from ladle.engine.request import Sequence
 from ladle.engine.scheduler import ScheduledSeq
@@ -156,6 +156,8 @@ class ModelRunner:
         meta = self._metadata(batch, self._tensor(slots))
         keep, owners = self._kept_states(batch)
         lora = self._lora_batch([(item.seq, item.num_new_tokens) for item in batch])
+        if self.cfg.mrope_section:
+            positions = self._mrope_positions(batch)
         hidden = self.model.forward(self._tensor(input_ids), self._tensor(positions), meta, keep, lora=lora,
                                     **self._image_embeds(batch))
         for item in batch:
@@ -176,7 +178,17 @@ class ModelRunner:
             row += item.num_new_tokens
         return {"input_embeds": (self._tensor(rows), torch.cat(embeds).to(self.device))} if rows else {}
 
-    def _tensor(self, values: list[int]) -> torch.Tensor:
+    @staticmethod
+    def _mrope_positions(batch: list[ScheduledSeq]) -> list[list[int]]:
+        """M-RoPE models: each row's (time, row, column) positions, [3][tokens] (ladle.engine.multimodal)."""
+        rows: list[list[int]] = [[], [], []]
+        for item in batch:
+            start = item.seq.num_computed_tokens
+            for row, part in zip(rows, mrope_positions(item.seq.images, start, start + item.num_new_tokens)):
+                row.extend(part)
+        return rows
+
+    def _tensor(self, values: list[int] | list[list[int]]) -> torch.Tensor:
         """int64 on the device: one host-to-device copy."""
         return torch.tensor(values, dtype=torch.int64).to(self.device, non_blocking=True)
 

@@ -309,6 +309,9 @@ class ModelConfig:
     layer_attention_shapes: tuple[tuple[int, int], ...] = ()
     mla: MLAConfig | None = None  # DeepSeek V3: multi-head latent attention, a latent vector cached per token
     hybrid: HybridConfig | None = None  # Qwen3.5, Qwen3-Next: linear-attention layers beside full ones
+    # Qwen2.5-VL's M-RoPE: how many of each head's rotary frequencies turn with a token's time, row and
+    # column position (an image's tokens have their own rows and columns); empty: plain RoPE
+    mrope_section: tuple[int, ...] = ()
 
     @property
     def norm_offset(self) -> float:
@@ -368,6 +371,9 @@ class ModelConfig:
             d = hybrid_text_config(d)
         elif d.get("model_type") in ("idefics3", "smolvlm"):  # SmolVLM: a Llama beside the vision tower
             d = {"model_type": "llama", **d["text_config"]}
+        elif d.get("model_type") == "qwen2_5_vl":  # a Qwen2 whose rotary positions are M-RoPE's
+            d = {**d["text_config"], "model_type": "qwen2",
+                 "mrope_section": (d["text_config"].get("rope_parameters") or {}).get("mrope_section")}
         model_type = d.get("model_type", "llama")
         if model_type not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
@@ -423,6 +429,7 @@ class ModelConfig:
             layer_attention_shapes=shapes,
             mla=MLAConfig.from_hf_dict(d) if model_type in MLA_ARCHITECTURES else None,
             hybrid=HybridConfig.from_hf_dict(d, model_type, head_dim) if model_type in HYBRID_ARCHITECTURES else None,
+            mrope_section=tuple(d.get("mrope_section") or ()),
         )
 
     @classmethod

@@ -243,6 +243,16 @@ class RotaryEmbedding:
         sin = self.sin[positions].unsqueeze(1)
         return torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
 
+    def mrope_tables(self, positions: torch.Tensor, section: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """M-RoPE's (Qwen2.5-VL): positions [3, T], each token's time, row and column; the first section[0]
+        frequencies turn with the time, the next section[1] with the row, the rest with the column."""
+        rows = torch.arange(self.cos.shape[1], device=positions.device)
+        which = torch.bucketize(rows, torch.tensor(section, device=positions.device).cumsum(0), right=True)
+        pick = positions[which]  # [half dims, T]: the position each frequency turns with
+        cos = self.cos[pick.T, rows].unsqueeze(1)
+        sin = self.sin[pick.T, rows].unsqueeze(1)
+        return torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
+
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x * cos + rotate_half(x) * sin for x [T, heads, D] and `tables`' cos, sin.

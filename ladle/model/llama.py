@@ -284,7 +284,7 @@ class LlamaForCausalLM:
                 keep: KeptStates | None = None, num_layers: int | None = None,
                 lora: LoRABatch | None = None,
                 input_embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """input_ids, positions: [T]. Returns the final normed hidden states [T, hidden]; fills
+        """input_ids, positions: [T] (M-RoPE: [3, T]). Returns the final normed hidden states [T, hidden]; fills
         `keep` with the rows and layers it names. num_layers: run only the first ones, then the
         final norm (an early exit: self-speculative drafting). lora: each row's adapter term is
         added to the projections' outputs (ladle.lora). input_embeds: (rows, embeddings) that stand in for
@@ -298,7 +298,9 @@ class LlamaForCausalLM:
         if input_embeds is not None:
             h[input_embeds[0]] = input_embeds[1].to(h.dtype)
         per_layer = None if self.per_layer_inputs is None else self.per_layer_inputs(input_ids, h, inv, self.ops)
-        rope = tuple(t.to(h.dtype) for t in self.rotary.tables(positions))  # as transformers rounds them
+        tables = self.rotary.tables(positions) if positions.dim() == 1 else \
+            self.rotary.mrope_tables(positions, self.cfg.mrope_section)  # [3, T]: Qwen2.5-VL's M-RoPE
+        rope = tuple(t.to(h.dtype) for t in tables)  # as transformers rounds them
         local_rope = None if self.local_rotary is None else tuple(
             t.to(h.dtype) for t in self.local_rotary.tables(positions))
         layers = self.layers if num_layers is None else self.layers[:num_layers]

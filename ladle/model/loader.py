@@ -152,6 +152,8 @@ def load_weights(folder: Path, dtype: torch.dtype | None = None) -> dict[str, to
             in_blocks = {n.removesuffix(".qweight") + ".weight" for n in names if n.endswith(".qweight")}
             for name in names:
                 kept = language_model_name(name) if text_only else name
+                if config.get("model_type") == "qwen2_5_vl":  # the Hub's names (visual.*) or transformers 5's
+                    kept = None if name.startswith(("visual.", "model.visual.")) else language_model_name(name) or name
                 if kept is not None and name not in in_blocks:
                     weights[kept] = f.get_tensor(name)
     qc = config.get("quantization_config")
