@@ -117,7 +117,7 @@ def decode_rate(folder: Path, batch: int, args: argparse.Namespace) -> float:
     try:
         llm.generate([random_ids(16, rng)], SamplingParams(max_tokens=2))  # warm-up
         for i in range(batch):
-            llm.engine.add_request(str(i), random_ids(128, rng), greedy)
+            llm.engine.add_request(str(i), random_ids(args.decode_prompt, rng), greedy)
         seconds, steps = 0.0, 0
         while llm.engine.has_unfinished_requests():
             decoding = all(s.num_computed_tokens >= s.num_prompt_tokens for s in llm.engine.scheduler.running)
@@ -168,6 +168,7 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=512, help="prompt tokens of the max-running run")
     ap.add_argument("--gen", type=int, default=32, help="tokens generated in the max-running run")
     ap.add_argument("--waiting", type=int, default=96, help="sequences queued in the max-running run")
+    ap.add_argument("--decode-prompt", type=int, default=128, help="prompt tokens of the decode runs")
     ap.add_argument("--decode-gen", type=int, default=48, help="tokens generated in the decode runs")
     ap.add_argument("--prefix", type=int, default=2000, help="shared prefix tokens of the TTFT run")
     ap.add_argument("--repeats", type=int, default=3)
@@ -176,7 +177,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.quick:
         args.hidden, args.layers, args.kv_lora_rank, args.budget_mib, args.prompt, args.gen = 128, 4, 32, 4, 64, 4
-        args.waiting, args.decode_gen, args.prefix, args.repeats = 24, 4, 256, 1
+        args.waiting, args.decode_prompt, args.decode_gen, args.prefix, args.repeats = 24, 16, 4, 128, 1
     elif args.out is None:
         args.out = "docs/hybrid.json"
     print(f"machine: {machine()}")

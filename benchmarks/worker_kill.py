@@ -131,10 +131,10 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--kill-after", type=float, default=40.0, help="seconds into the run")
     ap.add_argument("--out", default=None, help="the counts as JSON")
-    ap.add_argument("--quick", action="store_true", help="smoke run: 60 requests, the kill after 20 of them")
+    ap.add_argument("--quick", action="store_true", help="smoke run: 36 requests, the kill after 12 of them")
     args = ap.parse_args()
     if args.quick:
-        args.requests, args.concurrency = 60, 8
+        args.requests, args.concurrency = 36, 8
     print(f"machine: {machine()}")
     port = free_port()
     server = start_server(port)
