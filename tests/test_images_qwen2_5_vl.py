@@ -97,3 +97,39 @@ def test_prefix_cache_hits_on_the_same_image_and_misses_on_another(folder: Path,
 def test_what_m_rope_does_not_run_yet_is_refused_by_name(folder: Path, engine_args: dict, what: str) -> None:
     with pytest.raises(ValueError, match=f"{what} on M-RoPE models"):
         LLM(str(folder), dtype="float32", kv_cache_memory_gib=0.05, **engine_args)
+
+
+def test_chat_with_a_data_url_answers_as_transformers(folder: Path, reference) -> None:
+    """The server's chat path on Qwen2.5-VL: the image part placed by its template between the vision
+    marks, expanded, encoded and answered as transformers generates."""
+    import base64
+    import io
+
+    import openai
+
+    from ladle.config import EngineConfig
+    from server_utils import MODEL, own_server
+
+    model, processor, tokenizer = reference
+    image = drawn_image(6)
+    prompt = QUESTION.replace("What is drawn here?", "Describe it.")
+    pixels = processor(images=[image], return_tensors="pt")
+    pieces = prompt.split("<|image_pad|>")
+    text = pieces[0] + "<|image_pad|>" * (int(pixels["image_grid_thw"][0].prod()) // 4) + pieces[1]
+    ids = torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"]])
+    pad = tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=pixels["pixel_values"],
+                             image_grid_thw=pixels["image_grid_thw"], mm_token_type_ids=(ids == pad).int(),
+                             max_new_tokens=4, do_sample=False, eos_token_id=2, pad_token_id=0)
+    expected = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    png = io.BytesIO()
+    image.save(png, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
+    with own_server(EngineConfig(model=str(folder), dtype="float32", kv_cache_memory_gib=0.05)) as server:
+        client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
+        reply = client.chat.completions.create(model=MODEL, max_tokens=4, temperature=0, messages=[
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                         {"type": "text", "text": "Describe it."}]}])
+    assert reply.choices[0].message.content == expected
+    assert reply.usage.prompt_tokens == ids.shape[1]
