@@ -1,7 +1,8 @@
 """Qwen2.5-VL end to end against transformers on a tiny random checkpoint and drawn images: its tower at
 each image's own resolution, M-RoPE positions (an image's tokens by row and column, the text after it
 going on from its largest), prompt ids, greedy tokens and logprobs with one image and two, prefill chunks
-cutting through image spans, and the prefix cache keyed by the image."""
+cutting through image spans, the prefix cache keyed by the image, scoring bit-identical cold, cached and
+batched, and the server's chat path."""
 
 from __future__ import annotations
 
@@ -88,6 +89,23 @@ def test_prefix_cache_hits_on_the_same_image_and_misses_on_another(folder: Path,
     miss = run(llm, QUESTION, [other], CACHED)
     assert miss.prompt_token_ids == first.prompt_token_ids and miss.num_cached_tokens < 8
     check_against_transformers(miss, reference, QUESTION, [other])
+
+
+def test_scoring_with_an_image_is_bit_identical_cold_cached_and_batched(folder: Path) -> None:
+    args = dict(dtype="float32", kv_cache_memory_gib=0.05, max_num_batched_tokens=24, block_size=8)
+    llm = LLM(str(folder), **args)
+    labels = [llm.tokenizer.encode(x)[0] for x in ("A", "B", "C")]
+    score = SamplingParams(label_token_ids=labels)
+    prompt = {"prompt": QUESTION, "multi_modal_data": {"image": drawn_image(7)}}
+    cold = llm.generate(prompt, score)[0].outputs[0].label_logprobs
+    hits = llm.engine.kv.stats.hits
+    warm = llm.generate(prompt, score)[0].outputs[0].label_logprobs
+    assert llm.engine.kv.stats.hits > hits
+    other = {"prompt": TWO, "multi_modal_data": {"image": [drawn_image(8), drawn_image(7)]}}
+    mixed = llm.generate([other, "Tell me a story. " * 8, prompt],
+                         [score, SamplingParams(temperature=0.0, max_tokens=3), score])
+    fresh = LLM(str(folder), **{**args, "max_num_batched_tokens": 64}).generate(prompt, score)[0]
+    assert cold == warm == mixed[2].outputs[0].label_logprobs == fresh.outputs[0].label_logprobs
 
 
 @pytest.mark.parametrize("engine_args, what", [
