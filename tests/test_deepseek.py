@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from sampling_refs import chi_square_p
 from test_deterministic import check_scoring_is_bit_identical
 from test_engine_vs_hf import LOGPROB_TOL, PROMPTS, check_logprobs, hf_greedy
 from tiny_models import SMOLLM2_TOKENIZER_FILES
@@ -415,6 +416,30 @@ def test_mtp_keeps_seeded_samples_and_frees_every_block(deepseek_mtp) -> None:
     stats = spec.engine.stats.spec
     assert stats.num_draft_tokens > 0 and sum(stats.accepted_per_pos) == stats.num_accepted_tokens
     assert spec.engine.kv.num_free_blocks == spec.engine.kv.num_blocks
+
+
+def test_mtp_samples_keep_the_targets_distribution(deepseek_mtp) -> None:
+    """1,500 seeded samples with MTP drafting: the second token, the verification step's first row (a draft
+    for it proposed by the MTP layer), against softmax(z / T) of transformers' logits (a chi-square test),
+    given the most common first."""
+    folder, hf_model, _ = deepseek_mtp
+    temperature, n = 0.35, 1500
+    prompt = PROMPTS[1]
+    llm = LLM(str(folder), dtype="float32", max_num_seqs=256, max_num_batched_tokens=4096, num_kv_blocks=1024,
+              speculative_config={**MTP, "num_speculative_tokens": 1, "disable_by_batch_size": 10**6})
+    results = llm.generate([prompt] * n, [SamplingParams(temperature=temperature, seed=s, max_tokens=3,
+                                                          ignore_eos=True) for s in range(n)])
+    # a draft for every sequence's second token; the random MTP layer's are rejected (its favourite is not the
+    # model's), so the second token comes from the verification's residual, which must still be the model's own
+    assert llm.engine.stats.spec.num_draft_tokens == n
+    tokens = torch.tensor([r.outputs[0].token_ids[:2] for r in results])
+    first = int(tokens[:, 0].mode().values)
+    rows = tokens[tokens[:, 0] == first, 1]
+    assert len(rows) > 300
+    with torch.no_grad():
+        logits = hf_model(torch.tensor([results[0].prompt_token_ids + [first]])).logits[0, -1].double()
+    probs = torch.softmax(logits / temperature, -1)
+    assert chi_square_p(torch.bincount(rows, minlength=probs.shape[0]), probs) > 1e-4
 
 
 def test_the_offload_tier_restores_latents(deepseek, tmp_path: Path) -> None:

@@ -116,8 +116,6 @@ def test_an_image_and_text_checkpoint_serves_its_language_model(qwen3_5: Path, t
 @pytest.mark.parametrize("case", CASES)
 def test_hybrid_models_match_transformers(hybrid, case: str) -> None:
     folder, hf_model = hybrid
-    if case != "plain" and folder.name.startswith("qwen3_5_moe"):
-        pytest.skip("the MoE variant shares every state path with the dense one: plain is enough")
     llm = LLM(str(folder), dtype="float32", **CASES[case])
     check_against_transformers(llm, hf_model, PROMPTS[1::2])  # 5, 70, 18 and 105 tokens
     if case == "preempting":
@@ -125,18 +123,18 @@ def test_hybrid_models_match_transformers(hybrid, case: str) -> None:
 
 
 def test_prefix_hits_restore_the_state_at_a_block_boundary(hybrid) -> None:
-    """Prompts sharing 3 blocks and a few tokens: the second starts from the cache at the boundary (its
-    state restored from the snapshot there), whether it diverges at it or just past it."""
+    """Prompts sharing 2 or 3 blocks of a cached one, and some a few tokens more: each starts from the cache at
+    the last shared boundary (its state restored from the snapshot there), whether it diverges at it or just
+    past it."""
     folder, hf_model = hybrid
     llm = LLM(str(folder), dtype="float32", max_num_batched_tokens=19)  # the first is computed in 19-token steps
     ids = llm.tokenizer.encode(PROMPTS[-1])
-    shared = ids[:48]
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    first = llm.generate([shared + ids[48:60]], params)[0]
+    first = llm.generate([ids[:60]], params)[0]
     assert first.outputs[0].token_ids == hf_greedy(hf_model.fp32, first.prompt_token_ids, MAX_TOKENS)
-    for depth, tail in ((48, [11, 12, 13]), (51, ids[48:51] + [11, 12])):  # at a boundary and just past one
-        res = llm.generate([shared + tail], params)[0]
-        assert res.num_cached_tokens == 48, depth
+    for depth in (32, 35, 48, 51):  # at a boundary and just past one, at two depths
+        res = llm.generate([ids[:depth] + [11, 12, 13]], params)[0]
+        assert res.num_cached_tokens == depth // 16 * 16, depth
         assert res.outputs[0].token_ids == hf_greedy(hf_model.fp32, res.prompt_token_ids, MAX_TOKENS), depth
     assert_baseline(llm)
 
@@ -168,8 +166,9 @@ def test_snapshots_stay_within_their_bound(qwen3_5: Path) -> None:
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
-def test_scoring_is_bit_identical_cold_cached_and_batched(qwen3_5: Path, deterministic: bool) -> None:
-    llm = LLM(str(qwen3_5), dtype="float32", max_num_batched_tokens=96, deterministic=deterministic)
+def test_scoring_is_bit_identical_cold_cached_and_batched(hybrid, deterministic: bool) -> None:
+    folder, _ = hybrid
+    llm = LLM(str(folder), dtype="float32", max_num_batched_tokens=96, deterministic=deterministic)
     text = " ".join(["the invoice was charged twice and the app crashes on sync"] * 12)
     labels = [llm.tokenizer.encode(x)[0] for x in ("A", "B")]
     score = SamplingParams(label_token_ids=labels)
@@ -183,9 +182,10 @@ def test_scoring_is_bit_identical_cold_cached_and_batched(qwen3_5: Path, determi
     assert_baseline(llm)
 
 
-def test_decisions_reuse_their_shared_input(qwen3_5: Path) -> None:
+def test_decisions_reuse_their_shared_input(hybrid) -> None:
+    folder, _ = hybrid
     questions = [TEAM, SEVERITY, URGENT, {**TEAM, "id": "team2", "question": "Who owns this?"}]
-    with own_server(EngineConfig(model=str(qwen3_5), dtype="float32")) as server:
+    with own_server(EngineConfig(model=str(folder), dtype="float32")) as server:
         body = decide(server, input=fresh_input() + " " + "It fails every night. " * 12, questions=questions,
                       return_prompt_token_ids=True)
         ids = [a["prompt_token_ids"] for a in body["answers"].values()]
