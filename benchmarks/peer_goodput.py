@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 AXES = ("concurrency", "rate")
+SEARCH_SEED = 100  # the first search's; later ones start 1000 further on
 
 
 @dataclass(frozen=True)
@@ -33,7 +34,7 @@ class SearchSpec:
 def search(base: str, label: str, rnd: int, spec: SearchSpec, logs: Path, timeout_s: float) -> dict[str, dict]:
     """Both searches against the server at `base`; returns each axis's result JSON."""
     out = {}
-    for axis in AXES:
+    for i, axis in enumerate(AXES):
         name = f"goodput-{label.replace(':', '-')}-{axis}-r{rnd + 1}.json"
         cmd = [sys.executable, "-m", "ladle.cli", "bench", "sweep", "--search", "goodput", "--by", axis,
                "--base-url", base, "--goodput", spec.slo, "--attainment", str(spec.attainment),
@@ -41,6 +42,9 @@ def search(base: str, label: str, rnd: int, spec: SearchSpec, logs: Path, timeou
                "--random-output-len", str(spec.output_len), "--num-warmups", str(spec.warmups),
                "--max-steps", str(spec.max_steps), "--temperature", "0", "--no-plot", "--disable-tqdm",
                "--result-dir", str(logs),
+               # a search's steps draw prompts from seed + step: each axis (and round) from its own seeds, or
+               # the second axis's first steps would repeat the first's prompts and hit the prefix cache
+               "--seed", str(SEARCH_SEED + 1000 * (len(AXES) * rnd + i)),
                "--result-filename", name]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
         if done.returncode not in (0, 1) or not (logs / name).is_file():  # 1: even the lowest load missed
