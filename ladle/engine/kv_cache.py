@@ -202,30 +202,20 @@ class KVCacheManager:
         if not self.reuses_prefix(seq):
             return 0
         path = self._match(seq)
-        if self.states is not None:  # no second tier and no partial blocks: the state exists at block ends only
-            return self._match_hybrid(seq, path)
         needed = self.first_needed_block(len(path) * self.block_size)
         for node in path[needed:]:
             self._ref(node.block_id)
         seq.block_table = [HOLLOW] * needed + [node.block_id for node in path[needed:]]
         seq.num_cached_blocks = len(path)
         seq.num_computed_tokens = len(path) * self.block_size
-        last = seq.cached_tail = self._restore(seq, path[-1] if path else self.cache.root(seq.adapter_id))
-        self._reuse_partial_block(seq, None if last.parent is None else last)
-        self.release_pins(seq)
-        return seq.num_computed_tokens
-
-    def _match_hybrid(self, seq: Sequence, path: list[Node]) -> int:
-        """Start seq on path, its state restored from the snapshot at the path's end."""
-        for node in path:
-            self._ref(node.block_id)
-        seq.block_table = [node.block_id for node in path]
-        seq.num_cached_blocks = len(path)
-        seq.num_computed_tokens = len(path) * self.block_size
-        seq.cached_tail = path[-1] if path else None
-        if path:
-            seq.state_restore = path[-1].snapshot
-            self.states.touch(path[-1])
+        if self.states is not None:  # the state exists at block ends only: no second tier, no partial blocks
+            seq.cached_tail = path[-1] if path else None
+            if path:  # restored from the snapshot at the path's end
+                seq.state_restore = path[-1].snapshot
+                self.states.touch(path[-1])
+        else:
+            last = seq.cached_tail = self._restore(seq, path[-1] if path else self.cache.root(seq.adapter_id))
+            self._reuse_partial_block(seq, None if last.parent is None else last)
         self.release_pins(seq)
         return seq.num_computed_tokens
 
