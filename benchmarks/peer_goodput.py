@@ -28,7 +28,8 @@ class SearchSpec:
     prompt_len: int = 256
     output_len: int = 32
     warmups: int = 2
-    max_steps: int = 10  # doublings from load 1 the search may take
+    max_steps: int = 10  # doublings from the first load the search may take
+    rate_start: float = 0.25  # req/s: on 2 cores a 256-token request takes seconds, so 1 req/s is past the knee
 
 
 def search(base: str, label: str, rnd: int, spec: SearchSpec, logs: Path, timeout_s: float) -> dict[str, dict]:
@@ -40,7 +41,7 @@ def search(base: str, label: str, rnd: int, spec: SearchSpec, logs: Path, timeou
                "--base-url", base, "--goodput", spec.slo, "--attainment", str(spec.attainment),
                "--num-prompts", str(spec.num_prompts), "--random-input-len", str(spec.prompt_len),
                "--random-output-len", str(spec.output_len), "--num-warmups", str(spec.warmups),
-               "--max-steps", str(spec.max_steps), "--temperature", "0", "--no-plot", "--disable-tqdm",
+               "--max-steps", str(spec.max_steps), "--start", str(spec.rate_start if axis == "rate" else 1), "--temperature", "0", "--no-plot", "--disable-tqdm",
                "--result-dir", str(logs),
                # a search's steps draw prompts from seed + step: each axis (and round) from its own seeds, or
                # the second axis's first steps would repeat the first's prompts and hit the prefix cache
@@ -67,6 +68,8 @@ def table(found: dict[str, list[dict[str, dict]]]) -> dict[str, dict[str, float 
             row[axis] = statistics.median(loads) if loads else None
             row[f"{axis}_tok_s"] = statistics.median(b["goodput_tok_s"] if b else 0.0 for b in bests) if bests \
                 else None
+            row[f"{axis}_first"] = min((r[axis]["steps"][0]["load"] for r in rounds if r.get(axis, {}).get("steps")),
+                                       default=None)
         rows[label] = row
     return rows
 
@@ -78,13 +81,21 @@ def print_table(rows: dict[str, dict[str, float | None]], spec: SearchSpec) -> N
     print("| server | max concurrency | goodput there (tok/s) | max request rate (req/s) | goodput there (tok/s) |")
     print("| --- | --- | --- | --- | --- |")
     for label, row in rows.items():
-        cells = [_cell(row.get(k), ".0f" if k == "concurrency" else ".1f")
-                 for k in ("concurrency", "concurrency_tok_s", "rate", "rate_tok_s")]
+        cells = [_load_cell(row, "concurrency"), _cell(row.get("concurrency_tok_s"), ".1f"), _load_cell(row, "rate"),
+                 _cell(row.get("rate_tok_s"), ".1f")]
         print(f"| {label} | " + " | ".join(cells) + " |")
 
 
 def _cell(value: float | None, spec: str) -> str:
     return "failed" if value is None else format(value, spec)
+
+
+def _load_cell(row: dict[str, float | None], axis: str) -> str:
+    """The best load; a search whose first load already missed says it was below that."""
+    value, first = row.get(axis), row.get(f"{axis}_first")
+    if value == 0 and first is not None:
+        return f"below {first:g}"
+    return _cell(value, "g")
 
 
 def plot(found: dict[str, list[dict[str, dict]]], spec: SearchSpec, path: Path) -> None:

@@ -367,12 +367,15 @@ def main() -> None:
     ap.add_argument("--search-prompts", type=int, default=peer_goodput.SearchSpec.num_prompts,
                     help="requests per load the goodput search measures")
     ap.add_argument("--search-output-len", type=int, default=peer_goodput.SearchSpec.output_len)
+    ap.add_argument("--search-rate-start", type=float, default=peer_goodput.SearchSpec.rate_start,
+                    help="the rate search's first load (req/s); the concurrency search starts at 1")
     args = ap.parse_args()
     search_spec = peer_goodput.SearchSpec(slo=args.slo, attainment=args.attainment, num_prompts=args.search_prompts,
-                                          output_len=args.search_output_len)
+                                          output_len=args.search_output_len, rate_start=args.search_rate_start)
     if args.quick:
         search_spec = peer_goodput.SearchSpec(slo=args.slo, attainment=args.attainment, num_prompts=4,
-                                              prompt_len=16, output_len=4, warmups=1, max_steps=3)
+                                              prompt_len=16, output_len=4, warmups=1, max_steps=3,
+                                              rate_start=1.0)
     servers, work = parse_servers(args.servers), cases(args.quick, args.waves)
     if args.quick:
         peers = [s.label for s in servers if s.kind != "ladle"]
