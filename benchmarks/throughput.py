@@ -7,6 +7,9 @@
   prefill  8 prompts x 512 tokens, one output token: prompt tok/s against the GEMM roof
            (torch's matmul FLOP/s in that dtype over the model's FLOPs per token)
   decode   batch-1 ms/token against the memory-bandwidth bound for that dtype's weight bytes
+  steps    a decode step at batch 1, 8 and 16 split into matmul / attention / the rest, each step
+           against the bandwidth bound (every weight byte read once per step), beside the matmul
+           route per row bucket the start-up measurement chose
 
 Each dtype of --dtype runs all cases (transformers in the same dtype).
 
@@ -16,6 +19,7 @@ Usage: python benchmarks/throughput.py [--model PATH] [--dtype float32,bfloat16]
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import random
@@ -29,6 +33,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import cpu_name, machine, matmul_gflops, random_prompt_ids, read_bandwidth_gbs  # noqa: E402
 
 from ladle import LLM, SamplingParams  # noqa: E402
+from ladle.model.layers import Linear  # noqa: E402
+
+STEP_BATCHES = (1, 8, 16)
 
 
 def uniform_workload(n: int = 16, prompt_len: int = 256, out_len: int = 64) -> list[tuple[list[int], int]]:
@@ -103,6 +110,62 @@ def batch1_decode_ms(llm: LLM, n: int = 128) -> float:
     return ((t2 - t1) - (t1 - t0)) / n * 1000
 
 
+@contextlib.contextmanager
+def timed_parts(llm: LLM):
+    """Seconds spent in matmuls (every Linear call, lm_head included) and in attention (the KV write and
+    the attention itself), summed while the block runs; the timers wrap the calls, so the split is
+    the one the model runs, not a replay of its shapes."""
+    spent = {"matmul": 0.0, "attention": 0.0}
+    backend = llm.engine.runner.model.attention
+
+    def timed(part: str, fn):
+        def call(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                spent[part] += time.perf_counter() - t
+        return call
+
+    linear_call = Linear.__call__
+    Linear.__call__ = timed("matmul", linear_call)
+    backend.attend, backend.write_kv = timed("attention", backend.attend), timed("attention", backend.write_kv)
+    try:
+        yield spent
+    finally:
+        Linear.__call__ = linear_call
+        del backend.attend, backend.write_kv  # the instance attributes; the class's methods show again
+
+
+def decode_step_split(llm: LLM, batch: int, steps: int) -> dict[str, float]:
+    """ms per decode step at `batch` running sequences, split: the same prompts run once for their
+    first token and once for `steps` more, and the difference is `steps` decode steps."""
+    rng = random.Random(3 + batch)
+    prompts = [random_prompt_ids(rng, 32) for _ in range(batch)]
+    first = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    more = SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True)
+    llm.generate(prompts, first)  # warm-up; the prompts' blocks stay cached for both timed runs
+    with timed_parts(llm) as short:
+        t0 = time.perf_counter()
+        llm.generate(prompts, first)
+        t1 = time.perf_counter()
+    with timed_parts(llm) as long:
+        llm.generate(prompts, more)
+        t2 = time.perf_counter()
+    step = ((t2 - t1) - (t1 - t0)) / steps * 1000
+    parts = {k: (long[k] - short[k]) / steps * 1000 for k in long}
+    return {"step_ms": step, "matmul_ms": parts["matmul"], "attention_ms": parts["attention"],
+            "rest_ms": step - parts["matmul"] - parts["attention"]}
+
+
+def print_step_split(rows: dict[int, dict[str, float]], bound_ms: float) -> None:
+    print("| batch | step ms | matmul ms | attention ms | rest ms | non-matmul share | step / bandwidth bound |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for batch, r in rows.items():
+        print(f"| {batch} | {r['step_ms']:.1f} | {r['matmul_ms']:.1f} | {r['attention_ms']:.1f} | {r['rest_ms']:.1f} "
+              f"| {r['non_matmul_pct']:.0f}% | {r['step_ms'] / bound_ms:.2f}x |")
+
+
 def prefill_tok_s(llm: LLM, n: int = 8, prompt_len: int = 512) -> float:
     rng = random.Random(2)
     work = [random_prompt_ids(rng, prompt_len) for _ in range(n)]
@@ -114,7 +177,7 @@ def prefill_tok_s(llm: LLM, n: int = 8, prompt_len: int = 512) -> float:
 
 
 def run_dtype(dtype: str, args: argparse.Namespace, cases: list[str]) -> dict:
-    llm = LLM(args.model, max_num_seqs=16, max_num_batched_tokens=args.max_num_batched_tokens, dtype=dtype)
+    llm = LLM(args.model, max_num_seqs=max(16, *STEP_BATCHES), max_num_batched_tokens=args.max_num_batched_tokens, dtype=dtype)
     torch_dtype = llm.engine.dtype.dtype
     report: dict = llm.engine.runtime_info()  # dtype, why, KV dtype, kernels, matmul route
     print(f"\n=== --dtype {dtype}: {llm.engine.dtype.name} ({llm.engine.dtype.reason}); "
@@ -161,6 +224,23 @@ def run_dtype(dtype: str, args: argparse.Namespace, cases: list[str]) -> dict:
                             "pct_of_bound": 100 * bound_ms / ms}
         print(f"\n[decode] batch-1 {ms:.1f} ms/token; bound {wb / 1e6:.0f} MB / {bw:.1f} GB/s = {bound_ms:.1f} ms "
               f"-> {100 * bound_ms / ms:.0f}% of the bandwidth bound")
+    if "steps" in cases:
+        routing = llm.engine.runner.model.routing
+        print(f"\n[steps] matmul route by rows per call: {routing.table()}\n  measured: {routing.measured}")
+        bw = read_bandwidth_gbs()
+        wb = weight_bytes_per_token(llm)
+        bound_ms = wb / (bw * 1e9) * 1000
+        rows = {}
+        for batch in STEP_BATCHES:
+            r = decode_step_split(llm, batch, 16 if args.quick else 64)
+            r["non_matmul_pct"] = 100 * (r["step_ms"] - r["matmul_ms"]) / r["step_ms"]
+            r["bound_ratio"] = r["step_ms"] / bound_ms
+            rows[batch] = r
+            print(f"  batch {batch}: {r['step_ms']:.1f} ms/step", flush=True)
+        print(f"  bandwidth bound: {wb / 1e6:.0f} MB of weights / {bw:.1f} GB/s = {bound_ms:.1f} ms per step\n")
+        print_step_split(rows, bound_ms)
+        report["steps"] = {"route": routing.table(), "measured": routing.measured, "bound_ms": bound_ms,
+                           "read_gbs": bw, "weight_mb": wb / 1e6, "by_batch": rows}
     del llm, hf
     gc.collect()
     return report
@@ -170,13 +250,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="HF folder or .gguf (default: the embedded SmolLM2-135M)")
     ap.add_argument("--dtype", default="float32,bfloat16", help="comma-separated --dtype values, each run in turn")
-    ap.add_argument("--cases", default="uniform,mixed,prefill,decode")
+    ap.add_argument("--cases", default="uniform,mixed,prefill,decode,steps")
     ap.add_argument("--quick", action="store_true", help="smaller workloads, for a smoke run")
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     ap.add_argument("--save", default=None, help="write the figures as JSON here")
     args = ap.parse_args()
     cases = args.cases.split(",")
-    print(f"machine: {machine()}")
+    print(f"machine: {machine()}; CPU: {cpu_name()}")
     report: dict = {"machine": machine(), "cpu": cpu_name(), "model": args.model or "SmolLM2-135M-Instruct"}
     for dtype in args.dtype.split(","):
         report[dtype] = run_dtype(dtype, args, cases)

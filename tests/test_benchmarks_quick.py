@@ -41,8 +41,11 @@ SCRIPTS = {
                                                                                  rf"= {NUMBER} tok/s"], marks=SLOW),
     "structured": Script(["--model", "{model}"], [rf"\| 2 \| {NUMBER} \| {NUMBER} \| {NUMBER}x \|",
                                                   r"\| JSON schema \| \d+/2"], marks=SLOW),
-    "throughput": Script(["--model", "{model}", "--dtype", "float32", "--cases", "uniform", "--save",
-                          "{tmp}/throughput.json"], [rf"ladle {NUMBER} tok/s \| transformers {NUMBER} tok/s"],
+    "throughput": Script(["--model", "{model}", "--dtype", "float32", "--cases", "uniform,steps", "--save",
+                          "{tmp}/throughput.json"], [rf"ladle {NUMBER} tok/s \| transformers {NUMBER} tok/s",
+                                                     r"route by rows per call: 1 \w+, 2-4 \w+, 5-16 \w+, 17-64 \w+, 65\+",
+                                                     rf"\| 16 \| {NUMBER} \| {NUMBER} \| {NUMBER} \| -?{NUMBER} \| "
+                                                     rf"-?{NUMBER}% \| {NUMBER}x \|"],
                          marks=SLOW),
     "quantisation": Script(["--models", "{model}"], [rf"\| int8 per row \| float32 \| {NUMBER} \| [0-9,]+ \| "
                                                      rf"{NUMBER} \({NUMBER}%\)"], marks=SLOW),

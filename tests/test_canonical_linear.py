@@ -123,8 +123,13 @@ def test_routing_is_measured_and_can_be_forced(monkeypatch: pytest.MonkeyPatch) 
     native = kernels.native_kernels()
     weights = [torch.randn(96, 64), torch.randn(64, 96)]
     measured = routing.choose_routing(native, weights)
-    assert measured.decode in routing.KERNELS and measured.prefill in ("canonical", "torch")
-    assert "decode small" in measured.measured and "prefill torch" in measured.measured  # every candidate timed
+    assert measured.prefill in ("canonical", "torch") and len(measured.by_rows) == len(routing.ROW_BUCKETS)
+    assert all(kernel in routing.KERNELS for kernel in measured.by_rows)
+    parts = measured.measured.split("; ")  # every candidate timed at every bucket's size, and prompt-sized
+    assert [p.split(" rows:")[0] for p in parts] == [str(r) for r in routing.ROW_BUCKETS + (routing.PREFILL_ROWS,)]
+    assert all("small" in p and "canonical" in p and "torch" in p for p in parts[:-1])
+    assert "small" not in parts[-1] and "torch" in parts[-1]
+    assert measured.decode == measured.by_rows[-1]
     bf16 = routing.choose_routing(native, [w.bfloat16() for w in weights])
     assert "small" not in bf16.measured  # the small-row kernel takes float32 weights only
     assert routing.choose_routing(None, weights) == routing.MatmulRouting("torch", "torch", "no native kernels")

@@ -149,11 +149,12 @@ def test_every_matmul_route_matches_transformers(smollm2_gguf_llm_factory, hf_sm
     """Start-up measurement picks the matmul kernels per float model and machine; each route it can
     pick, forced (on the dequantised weights: int8 blocks always take their kernel)."""
     monkeypatch.setenv("LADLE_MATMUL", route)
-    # prefill chunks past the 32-row decode size
-    llm = smollm2_gguf_llm_factory(max_num_batched_tokens=64, quantization="none")
+    # prefill chunks past the 64-row decode buckets
+    llm = smollm2_gguf_llm_factory(max_num_batched_tokens=128, quantization="none")
     decode, prefill = route.split(":")
     assert (llm.engine.runner.model.routing.decode, llm.engine.runner.model.routing.prefill) == (decode, prefill)
-    assert llm.engine.runtime_info()["matmul"] == f"decode {decode}, prefill {prefill}"
+    assert llm.engine.runtime_info()["matmul"] == \
+        f"1 {decode}, 2-4 {decode}, 5-16 {decode}, 17-64 {decode}, 65+ {prefill}"
     check_greedy_batch(llm, hf_smollm2[0], route)
 
 

@@ -40,7 +40,7 @@ def test_models_health_version(server: Server, client: openai.OpenAI) -> None:
     native = kernels.native_kernels()
     assert version["kernels"] == (native.isa if native is not None else "torch")
     routing = server.engine.engine.runner.model.routing
-    assert version["matmul"] == f"decode {routing.decode}, prefill {routing.prefill}"
+    assert version["matmul"] == routing.table()
 
 
 def test_chat(server: Server, client: openai.OpenAI) -> None:
@@ -324,6 +324,6 @@ def test_ladle_serve_subprocess() -> None:
             out, _ = proc.communicate()
     assert proc.returncode == 0, out
     assert f"http://127.0.0.1:{port}/v1" in out
-    assert "; dtype float32 (requested)" in out and "matmuls: decode " in out  # LADLE_DTYPE from conftest
+    assert "; dtype float32 (requested)" in out and "matmuls: 1 " in out  # LADLE_DTYPE from conftest
     assert f"ladle: device cpu ({os.cpu_count()} cores)" in out
     assert "KV cache int8 (256 blocks of 16 tokens)" in out

@@ -129,8 +129,8 @@ class LLMEngine:
                                                config.mm_encoder_cache_mib * 2**20) \
             if takes_images(folder) and config.load_format != "dummy" else None
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids))
-        log.info("matmuls: decode on %s, prefill on %s (measured: %s)", self.runner.model.routing.decode,
-                 self.runner.model.routing.prefill, self.runner.model.routing.measured)
+        log.info("matmuls by rows per call: %s (measured: %s)", self.runner.model.routing.table(),
+                 self.runner.model.routing.measured)
         spec, c = config.speculative_config, self.model_config
         if spec is not None and c.mrope_section:  # drafts would need M-RoPE's positions too
             raise ValueError("speculative decoding on M-RoPE models (Qwen2.5-VL) is not supported yet")
@@ -277,7 +277,7 @@ class LLMEngine:
                 "quantization": self.config.quantization,
                 "weights": describe_weights(self.runner.model.linears),
                 "kv_cache_dtype": self.kv_cache_dtype_name, "kernels": self.isa,
-                "matmul": f"decode {routing.decode}, prefill {routing.prefill}"}
+                "matmul": routing.table()}
 
     def cache_config_info(self) -> dict[str, str]:
         """The KV pool as vLLM's `vllm:cache_config_info` labels it (on the CPU, its blocks are in RAM)."""

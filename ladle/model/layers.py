@@ -26,7 +26,7 @@ class Linear:
     one fixed FMA chain per output, so a row's bits never depend on what shares the call
     (W packed into its panel layout on first use). Other calls go where `routing` says,
     by their row count: the native small-row kernel (float32 decode steps), the canonical
-    kernel, or torch (MKL, oneDNN for bf16).
+    kernel, the AMX kernel (bf16 decode steps on CPUs with AMX), or torch (MKL, oneDNN for bf16).
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
@@ -47,6 +47,8 @@ class Linear:
             native = kernels.native_kernels()
             if native is not None:
                 return native.linear(x, self.weight, self.bias)
+        if kernel == "amx" and self._amx_input(x):
+            return kernels.native_kernels().amx_linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
     def pack(self) -> None:
@@ -85,6 +87,11 @@ class Linear:
         padded[:rows] = x
         return torch.cat([F.linear(chunk, self.weight, self.bias) for chunk in padded.split(step)])[:rows]
 
+    def _amx_input(self, x: torch.Tensor) -> bool:
+        # routed to `amx` only where the kernels are the AMX build (routing.py), so no second check of that
+        return (x.dtype == self.weight.dtype == torch.bfloat16 and _native_operand(x) and self.weight.is_cpu
+                and x.shape[1] == self.in_features and (self.bias is None or self.bias.dtype == torch.bfloat16))
+
     def _native_input(self, x: torch.Tensor) -> bool:
         return x.dtype == torch.float32 and _native_operand(x) and x.shape[1] == self.in_features
 
@@ -121,8 +128,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def add_rms_norm(h: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """The residual step and the next norm: h += a in place, then RMSNorm(h); the same bits as
-    `h = h + a` and `rms_norm(h, ...)`, in one native pass for float32."""
-    if (h.dtype == a.dtype == weight.dtype == torch.float32 and _native_operand(h) and _native_operand(a)
+    `h = h + a` and `rms_norm(h, ...)`, in one native pass for float32 and bfloat16."""
+    if (h.dtype == a.dtype == weight.dtype and _native_operand(h) and _native_operand(a)
             and _native_operand(weight, dim=1) and h.shape == a.shape and weight.shape[0] == h.shape[1]):
         native = kernels.native_kernels()
         if native is not None:
@@ -139,9 +146,9 @@ def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up, computed in place in gate_up's first half (rows stay gate_up's stride):
-    no new [T, intermediate] tensors. float32 takes the native kernel (its own exp, the same bits
-    for an element whatever its row count), other dtypes torch's ops."""
-    if (gate_up.dtype == torch.float32 and gate_up.is_cpu and gate_up.dim() == 2 and gate_up.stride(1) == 1
+    no new [T, intermediate] tensors. float32 and bfloat16 take the native kernel (its own exp, the
+    same bits for an element whatever its row count), other dtypes torch's ops."""
+    if (gate_up.dtype in (torch.float32, torch.bfloat16) and gate_up.is_cpu and gate_up.dim() == 2 and gate_up.stride(1) == 1
             and gate_up.shape[1] % 2 == 0 and not gate_up.requires_grad):
         native = kernels.native_kernels()
         if native is not None:
@@ -258,10 +265,10 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     """x * cos + rotate_half(x) * sin for x [T, heads, D] and `tables`' cos, sin.
 
     The sign of rotate_half lives in the table, so this is transformers' arithmetic bit
-    for bit in three elementwise ops; float32 heads laid out contiguously are rotated in
-    place by the native kernel (the same three roundings) and x returned.
+    for bit in three elementwise ops; float32 or bfloat16 heads laid out contiguously are rotated
+    in place by the native kernel (the same three roundings) and x returned.
     """
-    if (x.dtype == cos.dtype == sin.dtype == torch.float32 and x.is_cpu and x.dim() == 3 and x.stride(2) == 1
+    if (x.dtype == cos.dtype == sin.dtype and x.dtype in (torch.float32, torch.bfloat16) and x.is_cpu and x.dim() == 3 and x.stride(2) == 1
             and x.stride(1) == x.shape[2] and cos.is_contiguous() and sin.is_contiguous()
             and cos.shape == sin.shape == (x.shape[0], 1, x.shape[2]) and not x.requires_grad):
         native = kernels.native_kernels()

@@ -48,7 +48,9 @@ extern "C" void ladle_canonical_linear(const float* x, int64_t ldx, const void* 
 
 // The instruction set this library was built for, as the loader reports it.
 extern "C" const char* ladle_isa() {
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  return "amx";
+#elif defined(__AVX512F__)
   return "avx512";
 #elif defined(__AVX2__)
   return "avx2";

@@ -2,9 +2,10 @@
 calls it through ctypes).
 
 Compiled with torch.utils.cpp_extension on first use (a few seconds: the sources
-include no torch headers) into the ladle cache, once per instruction set: `avx512`
-(AVX-512F and what the host adds), `avx2` (AVX2 + FMA) or `scalar`. The best one the
-CPU runs is chosen at start-up; LADLE_ISA=avx2 (or scalar) forces a lower one, so the
+include no torch headers) into the ladle cache, once per instruction set: `amx` (the
+AVX-512 build plus AMX-BF16 tiles for decode-sized bf16 matmuls), `avx512` (AVX-512F and
+what the host adds, AMX masked off), `avx2` (AVX2 + FMA) or `scalar`. The best one the CPU
+runs is chosen at start-up; LADLE_ISA=avx512 (or avx2, scalar) forces a lower one, so the
 fallbacks are tested on any machine. LADLE_NATIVE_KERNELS=0 turns the kernels off; any
 failure to build or load logs one warning and leaves callers on their torch paths.
 """
@@ -28,10 +29,11 @@ from ladle.model.kernels.native import NativeKernels
 
 logger = logging.getLogger(__name__)
 
-MAX_ROWS = 32  # rows (tokens) up to which Linear takes the kernel: decode batches; prefills stay on MKL
-ISAS = ("avx512", "avx2", "scalar")  # best first
+ISAS = ("amx", "avx512", "avx2", "scalar")  # best first
+AMX_FLAGS = {"amx_tile", "amx_bf16"}
 # Compiler flags per instruction set: the host's own (-march=native) with the higher sets masked off.
-_ISA_FLAGS = {"avx512": [], "avx2": ["-mno-avx512f"], "scalar": ["-mno-avx"]}
+_ISA_FLAGS = {"amx": [], "avx512": [], "avx2": ["-mno-avx512f"], "scalar": ["-mno-avx"]}
+_NO_AMX = ["-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8"]  # given only where the host has AMX
 _SOURCES = sorted(Path(__file__).parent.glob("*.cpp"))
 _lock = threading.Lock()
 _loaded = False
@@ -68,6 +70,8 @@ def supported_isas(flags: set[str] | None = None) -> list[str]:
         isas.insert(0, "avx2")
     if {"avx512f", "avx512bw", "avx512vl"} <= flags:
         isas.insert(0, "avx512")
+        if AMX_FLAGS <= flags:
+            isas.insert(0, "amx")
     return isas or ["scalar"]
 
 
@@ -136,7 +140,7 @@ def _build(isa: str) -> str:
         name=f"ladle_kernels_{isa}",
         sources=[str(s) for s in _SOURCES],
         # -ffp-contract=off: no fused multiply-adds the source did not ask for, so plain loops stay IEEE
-        extra_cflags=["-O3", "-march=native", *_ISA_FLAGS[isa], "-ffp-contract=off", "-fopenmp"],
+        extra_cflags=["-O3", "-march=native", *_isa_flags(isa), "-ffp-contract=off", "-fopenmp"],
         extra_ldflags=["-fopenmp"],
         build_directory=str(directory),
         is_python_module=False,
@@ -144,6 +148,10 @@ def _build(isa: str) -> str:
     if not isinstance(path, str):  # documented to return nothing; torch 2.13 returns the path
         path = str(directory / f"ladle_kernels_{isa}.so")
     return path
+
+
+def _isa_flags(isa: str) -> list[str]:
+    return _ISA_FLAGS[isa] + (_NO_AMX if isa != "amx" and AMX_FLAGS <= cpu_flags() else [])
 
 
 def _find_ninja() -> None:
@@ -173,3 +181,19 @@ def _check(kernels: NativeKernels) -> None:
     close &= torch.allclose(y, torch.nn.functional.linear(x, w, b), rtol=1e-4, atol=1e-4)
     if not close:
         raise RuntimeError("self-check against torch failed")
+    if kernels.amx:
+        _check_amx(kernels, gen)
+
+
+def _check_amx(kernels: NativeKernels, gen: torch.Generator) -> None:
+    """The AMX kernel against torch on a tile-and-tail shape; a wrong answer turns it off alone."""
+    x, w = torch.randn(19, 80, generator=gen).bfloat16(), torch.randn(21, 80, generator=gen).bfloat16()
+    try:
+        ok = torch.allclose(kernels.amx_linear(x, w).float(), (x.float() @ w.float().T), rtol=2**-7, atol=1e-2)
+    except RuntimeError as e:
+        ok, why = False, str(e)
+    else:
+        why = "a wrong answer"
+    if not ok:
+        logger.warning("the AMX kernel failed its self-check (%s); bf16 decode matmuls use the others", why)
+        kernels.amx = False

@@ -9,6 +9,7 @@ import torch
 
 DOT_BLOCK = 32  # inputs per activation scale in int8_dot.cpp
 # canonical_linear.cpp's WeightType by panel dtype: uint8 panels hold 4-bit weights, two to a byte
+AMX_MAX_ROWS = 32  # rows per call of the AMX kernel: two tiles of 16
 _WEIGHT_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2, torch.uint8: 3}
 _KV_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2, torch.float8_e4m3fn: 3}  # attention.cpp's kv_type
 
@@ -78,6 +79,10 @@ class NativeKernels:
         self._rotary = lib.ladle_rotary
         self._rotary.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, ctypes.c_int]
         self._rotary.restype = ctypes.c_int
+        for name in ("add_rms_norm", "silu_and_mul", "rotary"):  # the same signatures over bfloat16 bits
+            fn, bf16 = getattr(self, f"_{name}"), getattr(lib, f"ladle_{name}_bf16")
+            bf16.argtypes, bf16.restype = fn.argtypes, fn.restype
+            setattr(self, f"_{name}_bf16", bf16)
         self._int8_dot_linear = lib.ladle_int8_dot_linear
         self._int8_dot_linear.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]
         self._int8_dot_linear.restype = None
@@ -89,6 +94,11 @@ class NativeKernels:
         self._lora_add.restype = ctypes.c_int
         lib.ladle_isa.restype = ctypes.c_char_p
         self.isa: str = lib.ladle_isa().decode()
+        self._amx_linear = lib.ladle_amx_linear
+        self._amx_linear.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]
+        self._amx_linear.restype = ctypes.c_int
+        # the AMX build, and Linux granted the tile state: decode-sized bf16 matmuls may go to the tiles
+        self.amx: bool = self.isa == "amx" and lib.ladle_amx_ready() == 1
 
     def pack_panels(self, weight: torch.Tensor, four_bit: bool = False) -> torch.Tensor:
         """weight [out, in] in the canonical kernel's layout: 16-column panels, [ceil(out / 16),
@@ -269,6 +279,22 @@ class NativeKernels:
                      rows, k, n, torch.get_num_threads())
         return y
 
+    def amx_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x[M, in] @ weight[out, in]^T (+ bias) on AMX tiles, bfloat16 operands and result, contiguous
+        (amx_linear.cpp); rows in calls of AMX_MAX_ROWS."""
+        rows, k = x.shape
+        n = weight.shape[0]
+        y = torch.empty(rows, n, dtype=torch.bfloat16)
+        for first in range(0, rows, AMX_MAX_ROWS):
+            part = min(AMX_MAX_ROWS, rows - first)
+            status = self._amx_linear(x[first].data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(),
+                                      y[first].data_ptr(), part, k, n, torch.get_num_threads())
+            if status:
+                raise RuntimeError({-2: "amx_linear: the kernels were not built for AMX",
+                                    -3: "amx_linear: Linux did not grant the AMX tile state"}.get(status,
+                                                                                                 f"amx_linear: {status}"))
+        return y
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """RMSNorm over the last dim of a 2-D x; x and weight both float32 or both bfloat16."""
         y = torch.empty_like(x)
@@ -277,24 +303,25 @@ class NativeKernels:
         return y
 
     def add_rms_norm(self, h: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        """h += a in place, then RMSNorm(h) (returned): float32 [M, N] operands, contiguous."""
+        """h += a in place, then RMSNorm(h) (returned): [M, N] operands, contiguous, all float32 or all
+        bfloat16."""
         y = torch.empty_like(h)
-        self._add_rms_norm(h.data_ptr(), a.data_ptr(), weight.data_ptr(), y.data_ptr(), h.shape[0], h.shape[1], eps,
+        (self._add_rms_norm_bf16 if h.dtype == torch.bfloat16 else self._add_rms_norm)(h.data_ptr(), a.data_ptr(), weight.data_ptr(), y.data_ptr(), h.shape[0], h.shape[1], eps,
                            torch.get_num_threads())
         return y
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """silu(gate) * up for float32 gate_up [M, 2 * N] (rows may be strided), in place into the
-        gate half, which is returned (activation.cpp)."""
+        """silu(gate) * up for float32 or bfloat16 gate_up [M, 2 * N] (rows may be strided), in place
+        into the gate half, which is returned (activation.cpp)."""
         rows, n = gate_up.shape[0], gate_up.shape[1] // 2
-        self._silu_and_mul(gate_up.data_ptr(), gate_up.stride(0), rows, n, torch.get_num_threads())
+        (self._silu_and_mul_bf16 if gate_up.dtype == torch.bfloat16 else self._silu_and_mul)(gate_up.data_ptr(), gate_up.stride(0), rows, n, torch.get_num_threads())
         return gate_up[:, :n]
 
     def rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x [T, heads, D] (float32, heads contiguous, rows may be strided) rotated in place by the
-        [T, D] float32 tables of RotaryEmbedding.tables; returns x."""
+        """x [T, heads, D] (float32 or bfloat16, heads contiguous, rows may be strided) rotated in place
+        by the [T, D] tables of RotaryEmbedding.tables in x's dtype; returns x."""
         t, heads, d = x.shape
-        if self._rotary(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), t, heads, d,
+        if (self._rotary_bf16 if x.dtype == torch.bfloat16 else self._rotary)(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), t, heads, d,
                         torch.get_num_threads()):
             raise ValueError(f"rotary: head size {d} must be even and at most 1024")
         return x

@@ -10,13 +10,6 @@
 
 namespace {
 
-// float32 to bfloat16 bits, rounding to nearest even (finite inputs).
-inline uint16_t to_bf16(float f) {
-  uint32_t bits;
-  std::memcpy(&bits, &f, sizeof bits);
-  return static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
-}
-
 void rms_norm_row_bf16(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_t n, float eps) {
   float sum = 0;
   int64_t i = 0;
@@ -34,7 +27,13 @@ void rms_norm_row_bf16(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_
     sum += sq;
   }
   const float inv = 1.0f / std::sqrt(sum / static_cast<float>(n) + eps);
-  for (int64_t j = 0; j < n; ++j) {
+  int64_t j = 0;
+#ifdef __AVX2__
+  const __m256 inv8 = _mm256_set1_ps(inv);
+  for (; j + 8 <= n; j += 8)
+    store8_bf16(y + j, round_bf16(_mm256_mul_ps(load8(w + j), round_bf16(_mm256_mul_ps(load8(x + j), inv8)))));
+#endif
+  for (; j < n; ++j) {
     const float normed = to_float(to_bf16(to_float(x[j]) * inv));
     y[j] = to_bf16(to_float(w[j]) * normed);
   }
@@ -92,5 +91,22 @@ extern "C" void ladle_add_rms_norm(float* h, const float* a, const float* w, flo
     const float* ar = a + row * n;
     for (int64_t j = 0; j < n; ++j) hr[j] = hr[j] + ar[j];
     rms_norm_row(hr, w, y + row * n, n, eps);
+  }
+}
+
+// The same in bfloat16, as torch runs `h.add_(a)` there (the sum rounded to bf16) and then the
+// bf16 RMSNorm above: one pass instead of an add and a norm that each convert to float and back.
+extern "C" void ladle_add_rms_norm_bf16(uint16_t* h, const uint16_t* a, const uint16_t* w, uint16_t* y, int64_t m,
+                                        int64_t n, float eps, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && m * n >= (1 << 15))
+  for (int64_t row = 0; row < m; ++row) {
+    uint16_t* hr = h + row * n;
+    const uint16_t* ar = a + row * n;
+    int64_t j = 0;
+#ifdef __AVX2__
+    for (; j + 8 <= n; j += 8) store8_bf16(hr + j, round_bf16(_mm256_add_ps(load8(hr + j), load8(ar + j))));
+#endif
+    for (; j < n; ++j) hr[j] = to_bf16(to_float(hr[j]) + to_float(ar[j]));
+    rms_norm_row_bf16(hr, w, y + row * n, n, eps);
   }
 }

@@ -2,14 +2,21 @@
 
 Three kernels can compute a linear layer: the native small-row kernel (row-major W, AVX2),
 the native canonical kernel (packed panels, AVX-512 where the CPU has it) and torch (MKL,
-or oneDNN for bf16). Which is fastest depends on the CPU: on an AVX2-only EPYC the
+or oneDNN for bf16); a fourth on CPUs with AMX-BF16, the native AMX kernel for decode-sized
+bf16 calls (row-major W, never on other CPUs: it exists only in the `amx` build). Which is fastest depends on the CPU: on an AVX2-only EPYC the
 small-row kernel beats MKL for decode steps; on an AVX-512 Xeon MKL's and the canonical
 kernel's wider paths win. So at start-up each candidate is timed on the model's own
 weights, for a decode-sized and a prefill-sized call, and the fastest is used from then on.
 It is timed as the model runs it: one pass over enough layers' weights that they come from
 memory, not from a cache that a single repeated call would keep them in (the canonical
-kernel prefetches the weights it will read next; MKL's cost differs). The choice is kept
-per process for the same shapes, so a second engine on the same model does not re-measure.
+kernel prefetches the weights it will read next; MKL's cost differs).
+
+The best kernel also depends on the call's row count: one row is bound by reading W, and a
+kernel that streams it once wins; at 16 or 64 rows the FLOPs start to count, and a kernel with
+wider register tiles (or oneDNN's) may win instead. So decode-sized calls are measured in
+ROW_BUCKETS (1, 2-4, 5-16, 17-64 rows, each timed at its largest), prompt-sized ones at
+PREFILL_ROWS, and each bucket gets its own winner. The choice is kept per process for the
+same shapes, so a second engine on the same model does not re-measure.
 LADLE_MATMUL=DECODE:PREFILL (say `small:torch` or `canonical:canonical`) skips the
 measurement and forces a route, so tests can run every path on any machine.
 """
@@ -24,13 +31,12 @@ from dataclasses import dataclass
 
 import torch
 
-from ladle.model.kernels.loader import MAX_ROWS
 from ladle.model.kernels.native import NativeKernels
 
 logger = logging.getLogger(__name__)
 
-KERNELS = ("small", "canonical", "torch")
-DECODE_ROWS = 8  # a typical decode batch
+KERNELS = ("small", "canonical", "torch", "amx")
+ROW_BUCKETS = (1, 4, 16, 64)  # decode-sized calls: up to 1, 4, 16 and 64 rows; more is prompt-sized
 PREFILL_ROWS = 128  # a prefill chunk
 MEASURED_BYTES = 256 << 20  # weights per timed pass: more than the caches hold
 _chosen: dict[tuple, MatmulRouting] = {}
@@ -38,14 +44,26 @@ _chosen: dict[tuple, MatmulRouting] = {}
 
 @dataclass(frozen=True)
 class MatmulRouting:
-    """Kernel names per call size: `small` (native small-row), `canonical` (native panels), `torch`."""
+    """Kernel names per call size: `small` (native small-row), `canonical` (native panels), `torch`.
+    by_rows, when measured, names one per ROW_BUCKETS bucket; otherwise `decode` serves them all."""
 
-    decode: str = "small"  # calls of up to MAX_ROWS rows
+    decode: str = "small"  # decode-sized calls (up to ROW_BUCKETS[-1] rows), unless by_rows says otherwise
     prefill: str = "torch"  # larger calls
     measured: str = ""  # the timings behind the choice, for the start log
+    by_rows: tuple[str, ...] = ()
 
     def kernel_for(self, rows: int) -> str:
-        return self.decode if rows <= MAX_ROWS else self.prefill
+        for limit, kernel in zip(ROW_BUCKETS, self.by_rows or (self.decode,) * len(ROW_BUCKETS)):
+            if rows <= limit:
+                return kernel
+        return self.prefill
+
+    def table(self) -> str:
+        """The route per row bucket, as the start log and the benchmarks print it."""
+        kernels = self.by_rows or (self.decode,) * len(ROW_BUCKETS)
+        lows = (1,) + tuple(limit + 1 for limit in ROW_BUCKETS[:-1])
+        cells = [f"{lo}-{hi} {k}" if lo < hi else f"{lo} {k}" for lo, hi, k in zip(lows, ROW_BUCKETS, kernels)]
+        return ", ".join(cells + [f"{ROW_BUCKETS[-1] + 1}+ {self.prefill}"])
 
 
 def choose_routing(native: NativeKernels | None, weights: list[torch.Tensor],
@@ -72,6 +90,13 @@ def forced_routing() -> MatmulRouting | None:
     decode, _, prefill = value.partition(":")
     if decode not in KERNELS or prefill not in KERNELS:
         raise ValueError(f"LADLE_MATMUL must be DECODE:PREFILL with each one of {KERNELS}, not {value!r}")
+    if "amx" in (decode, prefill):
+        from ladle.model.kernels.loader import native_kernels
+
+        native = native_kernels()
+        if native is None or not native.amx:
+            raise ValueError(f"LADLE_MATMUL={value}: the amx kernel needs a CPU with AMX-BF16 and the amx build "
+                             f"(these kernels: {native.isa if native is not None else 'none'})")
     return MatmulRouting(decode, prefill, "forced by LADLE_MATMUL")
 
 
@@ -98,19 +123,22 @@ def _measured_prefix(native: NativeKernels, weights: list[torch.Tensor],
 
 
 def _measure(native: NativeKernels, weights: list[torch.Tensor], packed: list[torch.Tensor]) -> MatmulRouting:
-    dtype = weights[0].dtype
-    decode = ["canonical", "torch"] + (["small"] if dtype == torch.float32 else [])
-    prefill = ["canonical", "torch"]
-    timings = {}
-    for size, rows, names in (("decode", DECODE_ROWS, decode), ("prefill", PREFILL_ROWS, prefill)):
+    decode = ["canonical", "torch"] + (["small"] if weights[0].dtype == torch.float32 else []) + \
+        (["amx"] if native.amx and weights[0].dtype == torch.bfloat16 else [])
+    sizes = [(rows, decode) for rows in ROW_BUCKETS] + [(PREFILL_ROWS, ["canonical", "torch"])]
+    timings: dict[int, dict[str, float]] = {}
+    for rows, names in sizes:
         inputs = {w.shape[1]: torch.randn(rows, w.shape[1], generator=torch.Generator().manual_seed(rows))
                   for w in weights}
+        timings[rows] = {}
         for name in names:
             calls = [_call(native, name, w, p, inputs[w.shape[1]]) for w, p in zip(weights, packed)]
-            timings[size, name] = best_seconds(lambda: [call() for call in calls], repeats=2)
-    best = {size: min((t, name) for (s, name), t in timings.items() if s == size)[1] for size in ("decode", "prefill")}
-    measured = ", ".join(f"{size} {name} {t * 1e3:.2f} ms" for (size, name), t in sorted(timings.items()))
-    return MatmulRouting(best["decode"], best["prefill"], measured)
+            timings[rows][name] = best_seconds(lambda: [call() for call in calls], repeats=2)
+    best = {rows: min(timings[rows], key=timings[rows].get) for rows, _ in sizes}
+    measured = "; ".join(f"{rows} rows: " + ", ".join(f"{name} {t * 1e3:.2f} ms" for name, t in sorted(ts.items()))
+                         for rows, ts in timings.items())
+    by_rows = tuple(best[rows] for rows in ROW_BUCKETS)
+    return MatmulRouting(best[ROW_BUCKETS[-1]], best[PREFILL_ROWS], measured, by_rows)
 
 
 def _call(native: NativeKernels, name: str, w: torch.Tensor, packed: torch.Tensor,
@@ -120,4 +148,6 @@ def _call(native: NativeKernels, name: str, w: torch.Tensor, packed: torch.Tenso
     if name == "canonical":
         return lambda: native.canonical_linear(x, packed, w.shape[0])
     xt = x.to(w.dtype)
+    if name == "amx":
+        return lambda: native.amx_linear(xt, w)
     return lambda: torch.nn.functional.linear(xt, w)

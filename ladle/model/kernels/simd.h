@@ -57,6 +57,13 @@ inline float to_float(uint16_t h) {
   return f;
 }
 
+// float32 to bfloat16 bits, rounding to nearest even (finite inputs), as torch rounds them.
+inline uint16_t to_bf16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  return static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
+
 // An fp16's value (exact: every fp16 is a float32).
 inline float half_to_float(uint16_t h) {
   const int exponent = (h >> 10) & 31, mantissa = h & 1023;
@@ -79,6 +86,19 @@ inline float hsum(__m256 v) {
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const uint16_t* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+// float32 lanes rounded to bfloat16 as to_bf16 rounds them, kept as float32 lanes (low 16 bits zero).
+inline __m256 round_bf16(__m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), lsb));
+  return _mm256_castsi256_ps(_mm256_and_si256(rounded, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+// 8 lanes that round_bf16 gave, stored as their bf16 bits.
+inline void store8_bf16(uint16_t* p, __m256 rounded) {
+  const __m256i high = _mm256_srli_epi32(_mm256_castps_si256(rounded), 16);
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(high, high), 0xD8);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
 }
 inline __m256 load8(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));

@@ -1,0 +1,108 @@
+"""The AMX-BF16 tile kernel for decode-sized bf16 matmuls (ladle/model/kernels/amx_linear.cpp).
+
+It runs only on CPUs with AMX (Sapphire Rapids and later), where it is checked against float64. On
+every x86 machine: the source is compiled and assembled for Sapphire Rapids (the tile instructions
+and our own ldtilecfg are really in the object), and the kernel is never offered, routed to or
+forced where the CPU or the build lacks AMX.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from ladle.model import kernels
+from ladle.model.kernels import loader, routing
+
+pytestmark = pytest.mark.isa
+SOURCE = Path(loader.__file__).parent / "amx_linear.cpp"
+HAS_AMX = "amx" in loader.supported_isas()
+
+
+def test_amx_is_offered_only_where_the_cpu_has_it() -> None:
+    if loader.platform.machine() != "x86_64":
+        pytest.skip("x86 flags")
+    avx512 = {"avx", "avx2", "fma", "avx512f", "avx512bw", "avx512vl"}
+    assert loader.supported_isas(avx512 | {"amx_tile", "amx_bf16"}) == ["amx", "avx512", "avx2", "scalar"]
+    assert loader.supported_isas(avx512 | {"amx_tile"}) == ["avx512", "avx2", "scalar"]  # tiles without bf16
+    assert loader.supported_isas({"avx", "avx2", "fma", "amx_tile", "amx_bf16"}) == ["avx2", "scalar"]
+
+
+@pytest.mark.skipif(shutil.which("g++") is None or loader.platform.machine() != "x86_64", reason="needs g++ on x86")
+def test_the_kernel_assembles_for_sapphire_rapids(tmp_path: Path) -> None:
+    """The AMX branch, not the stub, compiled for a Sapphire Rapids target: its object holds the tile
+    config load, the tile loads, the bf16 dot products and the tile release."""
+    obj = tmp_path / "amx_linear.o"
+    done = subprocess.run(["g++", "-O3", "-march=sapphirerapids", "-ffp-contract=off", "-fopenmp", "-c", str(SOURCE),
+                           "-o", str(obj)], capture_output=True, text=True)
+    if done.returncode and "sapphirerapids" in done.stderr:
+        pytest.skip(f"this g++ does not know Sapphire Rapids: {done.stderr[-200:]}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    listing = subprocess.run(["objdump", "-d", str(obj)], capture_output=True, text=True, check=True).stdout
+    for instruction in ("ldtilecfg", "tileloadd", "tdpbf16ps", "tilestored", "tilezero", "tilerelease"):
+        assert instruction in listing, instruction
+    stub = subprocess.run(["g++", "-O2", "-march=x86-64-v3", "-c", str(SOURCE), "-o", str(tmp_path / "stub.o")],
+                          capture_output=True, text=True)
+    assert stub.returncode == 0, stub.stderr[-3000:]
+    assert "tdpbf16ps" not in subprocess.run(["objdump", "-d", str(tmp_path / "stub.o")], capture_output=True,
+                                             text=True, check=True).stdout
+
+
+@pytest.mark.skipif(HAS_AMX, reason="this CPU has AMX")
+def test_never_routed_to_without_amx(monkeypatch: pytest.MonkeyPatch) -> None:
+    if not loader.enabled():
+        pytest.skip("LADLE_NATIVE_KERNELS=0 in the environment")
+    monkeypatch.delenv("LADLE_MATMUL", raising=False)
+    native = kernels.native_kernels()
+    assert native.isa != "amx" and not native.amx
+    weights = [torch.randn(96, 64).bfloat16(), torch.randn(64, 96).bfloat16()]
+    measured = routing.choose_routing(native, weights)
+    assert "amx" not in measured.measured and "amx" not in measured.by_rows
+    with pytest.raises(RuntimeError, match="not built for AMX"):
+        native.amx_linear(torch.randn(2, 64).bfloat16(), weights[0])
+    monkeypatch.setenv("LADLE_MATMUL", "amx:torch")
+    with pytest.raises(ValueError, match="amx kernel needs a CPU with AMX-BF16"):
+        routing.choose_routing(native, weights)
+
+
+@pytest.fixture
+def amx_kernels(monkeypatch: pytest.MonkeyPatch):
+    if not HAS_AMX:
+        pytest.skip("no AMX-BF16 on this CPU")
+    monkeypatch.setenv("LADLE_ISA", "amx")
+    loader.reset()
+    k = loader.native_kernels()
+    assert k is not None and k.isa == "amx" and k.amx
+    yield k
+    monkeypatch.undo()
+    loader.reset()
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16, 17, 32, 45])
+@pytest.mark.parametrize("k, n", [(896, 1152), (100, 37), (64, 16)])  # a model's shape; tails of K and N; one tile
+def test_amx_linear_against_float64(amx_kernels, rows: int, k: int, n: int) -> None:
+    """Each output within bf16 rounding of the float64 product of the same bf16 operands (the sum
+    runs in float32), bias included; a row alone gives the same bits as in its batch."""
+    gen = torch.Generator().manual_seed(rows * 1000 + k)
+    x = torch.randn(rows, k, generator=gen).bfloat16()
+    w = (torch.randn(n, k, generator=gen) / k**0.5).bfloat16()
+    bias = torch.randn(n, generator=gen).bfloat16()
+    y = amx_kernels.amx_linear(x, w, bias)
+    exact = x.double() @ w.double().T + bias.double()
+    scale = (x.double().abs() @ w.double().abs().T + bias.double().abs())
+    assert y.dtype == torch.bfloat16 and y.shape == (rows, n)
+    assert ((y.double() - exact).abs() <= 2**-8 * exact.abs() + 1e-5 * scale).all()
+    assert torch.equal(amx_kernels.amx_linear(x[-1:].contiguous(), w, bias), y[-1:])
+
+
+def test_amx_is_measured_for_bf16_decode_buckets(amx_kernels, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("LADLE_MATMUL", raising=False)
+    weights = [torch.randn(1152, 896).bfloat16(), torch.randn(896, 1152).bfloat16()]
+    measured = routing.choose_routing(amx_kernels, weights)
+    parts = measured.measured.split("; ")
+    assert all("amx" in p for p in parts[:-1]) and "amx" not in parts[-1]
+    assert "amx" not in routing.choose_routing(amx_kernels, [w.float() for w in weights]).measured
