@@ -114,13 +114,15 @@ def test_supported_isas_follow_the_cpu_flags() -> None:
     assert loader.supported_isas({"sse4_2"}) == ["scalar"]
 
 
-def test_routing_is_measured_and_can_be_forced(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_routing_is_measured_and_can_be_forced(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
     from ladle.model.kernels import routing
 
     if not loader.enabled():
         pytest.skip("LADLE_NATIVE_KERNELS=0 in the environment")
     monkeypatch.delenv("LADLE_MATMUL", raising=False)
     native = kernels.native_kernels()
+    monkeypatch.setenv("LADLE_CACHE_DIR", str(tmp_path))  # measured here, not read from an earlier run
+    monkeypatch.setattr(routing, "_chosen", {})
     weights = [torch.randn(96, 64), torch.randn(64, 96)]
     measured = routing.choose_routing(native, weights)
     assert measured.prefill in ("canonical", "torch") and len(measured.by_rows) == len(routing.ROW_BUCKETS)
@@ -139,3 +141,31 @@ def test_routing_is_measured_and_can_be_forced(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setenv("LADLE_MATMUL", "fast:torch")
     with pytest.raises(ValueError, match="LADLE_MATMUL"):
         routing.choose_routing(native, weights)
+
+
+def test_routes_are_measured_once_per_machine(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """A second process (here: the in-process choice forgotten) reads the routes the first measured,
+    and measures again once their file is deleted or unreadable."""
+    from ladle.model.kernels import routing
+
+    if not loader.enabled():
+        pytest.skip("LADLE_NATIVE_KERNELS=0 in the environment")
+    monkeypatch.delenv("LADLE_MATMUL", raising=False)
+    monkeypatch.setenv("LADLE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(routing, "_chosen", {})
+    native = kernels.native_kernels()
+    weights = [torch.randn(80, 48), torch.randn(48, 80)]
+    first = routing.choose_routing(native, weights)
+    path = routing.routes_file(native.isa, (native.isa, torch.float32, ((80, 48), (48, 80))))
+    assert path.is_file() and path.is_relative_to(tmp_path)
+    measured = []
+    real = routing._measure
+    monkeypatch.setattr(routing, "_measure", lambda *a: measured.append(1) or real(*a))
+    routing._chosen.clear()
+    again = routing.choose_routing(native, weights)
+    assert measured == [] and (again.by_rows, again.prefill) == (first.by_rows, first.prefill)
+    assert again.measured == f"{first.measured} (measured once: {path})"
+    path.write_text("{not json")
+    routing._chosen.clear()
+    routing.choose_routing(native, weights)
+    assert measured == [1]

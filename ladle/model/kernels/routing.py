@@ -15,19 +15,23 @@ The best kernel also depends on the call's row count: one row is bound by readin
 kernel that streams it once wins; at 16 or 64 rows the FLOPs start to count, and a kernel with
 wider register tiles (or oneDNN's) may win instead. So decode-sized calls are measured in
 ROW_BUCKETS (1, 2-4, 5-16, 17-64 rows, each timed at its largest), prompt-sized ones at
-PREFILL_ROWS, and each bucket gets its own winner. The choice is kept per process for the
-same shapes, so a second engine on the same model does not re-measure.
+PREFILL_ROWS, and each bucket gets its own winner. The choice is kept per machine, beside the
+kernels built for it (`matmul-routes/<dtype and shapes>.json`; delete it to measure again), as
+the dtype choice is: a restart computes the same way, and a second engine does not re-measure.
 LADLE_MATMUL=DECODE:PREFILL (say `small:torch` or `canonical:canonical`) skips the
 measurement and forces a route, so tests can run every path on any machine.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -78,8 +82,42 @@ def choose_routing(native: NativeKernels | None, weights: list[torch.Tensor],
         return forced
     key = (native.isa, weights[0].dtype, tuple(tuple(w.shape) for w in weights))
     if key not in _chosen:
-        _chosen[key] = _measure(native, *_measured_prefix(native, weights, packed))
+        _chosen[key] = _kept(native.isa, key) or _keep(native.isa, key, _measure(native, *_measured_prefix(
+            native, weights, packed)))
     return _chosen[key]
+
+
+def routes_file(isa: str, key: tuple) -> Path:
+    """Where the routes for these weights (dtype and shapes) are kept on this machine."""
+    from ladle.model.kernels.loader import build_dir
+
+    digest = hashlib.sha1(repr(key[1:]).encode()).hexdigest()[:16]
+    return build_dir(isa) / "matmul-routes" / f"{str(key[1]).removeprefix('torch.')}-{digest}.json"
+
+
+def _kept(isa: str, key: tuple) -> MatmulRouting | None:
+    path = routes_file(isa, key)
+    try:
+        saved = json.loads(path.read_text())
+        by_rows = tuple(saved["by_rows"])
+        if len(by_rows) != len(ROW_BUCKETS) or not set(by_rows) | {saved["prefill"]} <= set(KERNELS):
+            return None
+        return MatmulRouting(by_rows[-1], saved["prefill"], f"{saved['measured']} (measured once: {path})", by_rows)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _keep(isa: str, key: tuple, routing: MatmulRouting) -> MatmulRouting:
+    path = routes_file(isa, key)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f"{path.name}.{os.getpid()}")
+        partial.write_text(json.dumps({"by_rows": routing.by_rows, "prefill": routing.prefill,
+                                       "measured": routing.measured}))
+        os.replace(partial, path)
+    except OSError as e:  # a read-only cache: measure again next time
+        logger.warning("could not keep the matmul routes in %s: %s", path, e)
+    return routing
 
 
 def forced_routing() -> MatmulRouting | None:
