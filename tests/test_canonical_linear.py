@@ -60,6 +60,18 @@ def test_matches_float64_and_is_row_invariant(isa_kernels, shape, dtype) -> None
         assert torch.equal(isa_kernels.canonical_linear(x[row : row + 1], packed, n, b), y[row : row + 1])
 
 
+def test_bf16_rows_in_and_out_are_the_float_kernel_rounded_once(isa_kernels) -> None:
+    """bf16 x (rows strided, as a fused projection's slice) to a bf16 y: exactly the float32 kernel on
+    the widened rows, rounded to bf16 once, and still the same bits for a row alone."""
+    x, w, b = operands(200, 37, torch.bfloat16, rows=13)
+    xb = torch.cat([x, x], dim=1).bfloat16()[:, :200]  # row stride 400
+    packed = isa_kernels.pack_panels(w)
+    y = isa_kernels.canonical_linear(xb, packed, 37, b)
+    assert y.dtype == torch.bfloat16
+    assert torch.equal(y, isa_kernels.canonical_linear(xb.float(), packed, 37, b).to(torch.bfloat16))
+    assert torch.equal(isa_kernels.canonical_linear(xb[5:6], packed, 37, b), y[5:6])
+
+
 def test_is_the_fma_chain_itself(isa_kernels) -> None:
     x, w, b = operands(61, 19, torch.float32, rows=3)
     y = isa_kernels.canonical_linear(x, isa_kernels.pack_panels(w), 19, b)

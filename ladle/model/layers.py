@@ -78,6 +78,8 @@ class Linear:
             return self._fixed_shape(x)
         if self._panels is None:
             self.pack()
+        if x.dtype == torch.bfloat16:  # widened and rounded back in the kernel: the same bits, no conversions
+            return native.canonical_linear(x, self._panels, self.out_features, self._bias32)
         y = native.canonical_linear(x.float(), self._panels, self.out_features, self._bias32)
         return y if x.dtype == torch.float32 else y.to(x.dtype)
 

@@ -66,6 +66,9 @@ class NativeKernels:
         self._canonical_linear.argtypes = [ptr, i64, ptr, ctypes.c_int, ptr, ptr, ptr, ctypes.c_int, i64, ptr, ptr,
                                            i64, i64, i64, ctypes.c_int]
         self._canonical_linear.restype = None
+        self._canonical_linear_bf16 = lib.ladle_canonical_linear_bf16
+        self._canonical_linear_bf16.argtypes = self._canonical_linear.argtypes
+        self._canonical_linear_bf16.restype = None
         self._widen_panels = lib.ladle_widen_panels
         self._widen_panels.argtypes = [ptr, ctypes.c_int, ptr, ptr, ptr, ctypes.c_int, i64, i64, i64, i64, ptr, i64,
                                        ctypes.c_int]
@@ -135,7 +138,8 @@ class NativeKernels:
                          bias: torch.Tensor | None = None, scales: torch.Tensor | None = None,
                          groups: tuple[int, torch.Tensor, torch.Tensor | None] | None = None) -> torch.Tensor:
         """x[M, in] (float32, rows may be strided) @ W^T (+ bias) for W packed by `pack_panels`,
-        each output a fixed chain of FMAs in input order: a row's bits never depend on M.
+        each output a fixed chain of FMAs in input order: a row's bits never depend on M. A bfloat16
+        x gives a bfloat16 y: x widened and the float32 sums rounded once, in the kernel.
         int8 panels need `scales` (float32, one per output): the sums are multiplied by them; or,
         grouped, `groups` = (group size, scales, minimums or None), each packed by `pack_groups`:
         each group's chain is folded in as fma(chain, scale, acc), then fma(x's group sum, min, acc)."""
@@ -152,8 +156,9 @@ class NativeKernels:
         if packed.dtype == torch.uint8 and (groups is None or size % 2 or packed.shape[1] * 2 != k):
             raise ValueError(f"4-bit panels ({packed.shape[1] * 2} inputs) take groups of an even size and rows of "
                              f"as many inputs, not groups of {size} and {k}")
-        y = torch.empty(rows, out_features, dtype=torch.float32)
-        self._canonical_linear(x.data_ptr(), x.stride(0), packed.data_ptr(), _WEIGHT_TYPES[packed.dtype],
+        y = torch.empty(rows, out_features, dtype=torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32)
+        entry = self._canonical_linear_bf16 if x.dtype == torch.bfloat16 else self._canonical_linear
+        entry(x.data_ptr(), x.stride(0), packed.data_ptr(), _WEIGHT_TYPES[packed.dtype],
                                None if scales is None else scales.data_ptr(),
                                None if group_scales is None else group_scales.data_ptr(),
                                None if group_mins is None else group_mins.data_ptr(), int(half), size,

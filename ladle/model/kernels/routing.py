@@ -183,8 +183,9 @@ def _call(native: NativeKernels, name: str, w: torch.Tensor, packed: torch.Tenso
           x: torch.Tensor) -> Callable[[], object]:
     if name == "small":
         return lambda: native.linear(x, w)
-    if name == "canonical":
-        return lambda: native.canonical_linear(x, packed, w.shape[0])
+    if name == "canonical":  # as the model calls it: bf16 rows for bf16 weights
+        xc = x.to(torch.bfloat16) if w.dtype == torch.bfloat16 else x
+        return lambda: native.canonical_linear(xc, packed, w.shape[0])
     xt = x.to(w.dtype)
     if name == "amx":
         return lambda: native.amx_linear(xt, w)
