@@ -13,9 +13,10 @@ is kept as `mtp` where its weights are there: it drafts for `--speculative-confi
 
 from __future__ import annotations
 
+
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -179,6 +180,8 @@ class DeepseekV3ForCausalLM:
         for lin in self.linears:  # now, not on the first canonical (scoring) request
             lin.pack()
         self.routing = self._choose_routing()
+        if ops.name == "triton":  # canonical rows on the fixed-tile Triton matmul, as the CUDA path runs them
+            self.routing = replace(self.routing, invariant="triton")
         for lin in self.linears:
             lin.routing = self.routing
 

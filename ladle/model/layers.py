@@ -24,7 +24,7 @@ class Linear:
 
     Batch-invariant calls (canonical sequences) always go to the native canonical kernel:
     one fixed FMA chain per output, so a row's bits never depend on what shares the call
-    (W packed into its panel layout on first use). Other calls go where `routing` says,
+    (W packed into its panel layout on first use); on CUDA, to the fixed-tile Triton matmul. Other calls go where `routing` says,
     by their row count: the native small-row kernel (float32 decode steps), the canonical
     kernel, the AMX kernel (bf16 decode steps on CPUs with AMX), or torch (MKL, oneDNN for bf16).
     """
@@ -40,9 +40,13 @@ class Linear:
         self.routing = MatmulRouting()
 
     def __call__(self, x: torch.Tensor, batch_invariant: bool = False) -> torch.Tensor:
-        kernel = "canonical" if batch_invariant else self.routing.kernel_for(x.shape[0])
+        kernel = self.routing.invariant if batch_invariant else self.routing.kernel_for(x.shape[0])
         if kernel == "canonical":
             return self._canonical(x)
+        if kernel == "triton":
+            from ladle.model.triton.invariant_matmul import invariant_linear
+
+            return invariant_linear(x, self.weight, self.bias)
         if kernel == "small" and self._native_ok and self._native_input(x):
             native = kernels.native_kernels()
             if native is not None:

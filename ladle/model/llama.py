@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -261,6 +261,8 @@ class LlamaForCausalLM:
         else:  # int8 layers always take their kernel; the float ones take what measures fastest
             self.routing = choose_routing(kernels.native_kernels(), [lin.weight for lin in layer_linears],
                                           [lin.packed for lin in layer_linears])
+        if ops.name == "triton":  # canonical rows on the fixed-tile Triton matmul, as the CUDA path runs them
+            self.routing = replace(self.routing, invariant="triton")
         for lin in self.linears:
             lin.routing = self.routing
 

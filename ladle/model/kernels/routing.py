@@ -55,6 +55,9 @@ class MatmulRouting:
     prefill: str = "torch"  # larger calls
     measured: str = ""  # the timings behind the choice, for the start log
     by_rows: tuple[str, ...] = ()
+    # canonical (batch-invariant) rows, whatever their count: the native canonical kernel on the CPU,
+    # the fixed-tile Triton matmul where the layer ops are Triton's (CUDA)
+    invariant: str = "canonical"
 
     def kernel_for(self, rows: int) -> str:
         for limit, kernel in zip(ROW_BUCKETS, self.by_rows or (self.decode,) * len(ROW_BUCKETS)):
