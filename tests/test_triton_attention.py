@@ -326,6 +326,24 @@ def test_prefill_row_is_bitwise_the_same_alone_batched_or_chunked(dtype: torch.d
     assert_close(other, reference(q[:n], keys, values, list(range(n)), scale), dtype)
 
 
+def test_a_canonical_decode_row_ignores_its_batch() -> None:
+    """Canonical decode rows (decisions' and --deterministic generation's) go through the extend kernel
+    as one-row spans, not the split-KV decode kernel, whose split count follows the batch: such a row
+    alone and in batches of 2, 7 and 64 other one-row spans (other sequences' lengths) has the same bits."""
+    gen = torch.Generator().manual_seed(8)
+    heads, kv_heads, head_dim = 4, 2, 32
+    lens = [37] + [int(n) for n in torch.randint(1, 60, (63,), generator=gen)]
+    pool = make_pool(lens, 8, kv_heads, head_dim, torch.float32, gen)
+    q, _, _ = fused_qkv(64, heads, kv_heads, head_dim, torch.float32, gen)
+    for batch in (2, 7, 64):
+        at = batch // 2  # the row's place in the launch (its query is q[at] either way)
+        alone = run_prefill(pool, q, [(0, at, 1)], 0.125)[at]
+        others = list(range(1, batch))
+        others.insert(at, 0)
+        batched = run_prefill(pool, q, [(s, row, 1) for row, s in enumerate(others)], 0.125)
+        assert not alone.isnan().any() and torch.equal(batched[at], alone), batch
+
+
 def test_prefill_row_with_no_keys_gives_zero() -> None:
     """Rows whose position is below 0 (a span longer than its context) see no key: 0, not NaN."""
     gen = torch.Generator().manual_seed(6)
