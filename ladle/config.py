@@ -12,7 +12,7 @@ from ladle.reasoning.parser import REASONING_PARSERS
 from ladle.spec_decode.config import SpeculativeConfig
 
 SCHEDULING_POLICIES = ("fcfs", "priority", "lpm")
-QUANTIZATIONS = ("auto", "none", "int8")  # ladle.model.quantization's meanings
+QUANTIZATIONS = ("auto", "none", "int8", "fp8")  # ladle.model.quantization's and ladle.model.fp8's meanings
 KV_8BIT_NAMES = ("int8", "fp8", "fp8_e4m3")  # ladle.model.kv_quant's formats (named here: no torch import)
 EXECUTOR_BACKENDS = ("mp", "ray")  # ladle.distributed.tensor_parallel's
 DEVICES = ("auto", "cpu", "cuda")  # ladle.platform's
@@ -213,7 +213,9 @@ def add_engine_arguments(parser) -> None:
                    help="auto: weights as the checkpoint holds them (a GGUF's blocks served as grouped integers "
                         "with their scales: Q8_0 and Q6_K one to a byte, Q4_0, Q4_1 and Q4_K two to a byte; "
                         "float tensors as float); none: everything dequantised to float; int8: "
-                        "float weights also quantised at load to int8 with a scale per output row")
+                        "float weights also quantised at load to int8 with a scale per output row; fp8: weights "
+                        "quantised at load to float8 e4m3 with a scale per output row, activations per token "
+                        "(GPUs with FP8, sm_89 and later; on the CPU a correctness path)")
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, as vLLM takes it: \'{"method": "ngram", "num_speculative_tokens": 4, '
                         '"prompt_lookup_max": 4}\'; also "draft_model" with "model": PATH, "early_exit" with '

@@ -130,17 +130,22 @@ def cat_weights(parts: list[torch.Tensor | GroupedWeight], dtype: torch.dtype) -
 def describe(linears: list[Linear]) -> str:
     """How a model's linear weights are held, for the start log and /version."""
     grouped = {(lin.bits, lin.group_size, lin.source) for lin in linears if lin.quantized and lin.group_size}
-    per_row = sum(lin.quantized and not lin.group_size for lin in linears)
+    fp8 = sum(lin.quantized and getattr(lin, "qweight_t", None) is not None for lin in linears)
+    per_row = sum(lin.quantized and not lin.group_size for lin in linears) - fp8
     floats = sum(not lin.quantized for lin in linears)
     parts = [f"{'4-bit' if bits == 4 else 'int8'} in groups of {size} ({source})"
              for bits, size, source in sorted(grouped)]
-    parts += ["int8 per row"] * bool(per_row) + ["float"] * bool(floats)
+    parts += ["int8 per row"] * bool(per_row) + ["fp8 e4m3 per row"] * bool(fp8) + ["float"] * bool(floats)
     return " + ".join(parts)
 
 
 def make_linear(weight: torch.Tensor | GroupedWeight, bias: torch.Tensor | None, quantization: str,
                 dtype: torch.dtype) -> Linear:
     """The layer `quantization` asks for (see the module docstring)."""
+    if quantization == "fp8":
+        from ladle.model.fp8 import Fp8Linear
+
+        return Fp8Linear(weight.dequantize(dtype) if isinstance(weight, GroupedWeight) else weight, bias)
     if isinstance(weight, GroupedWeight):
         return Linear(weight.dequantize(dtype), bias) if quantization == "none" else Int8Linear(weight, bias, dtype)
     return Int8Linear(weight, bias, dtype) if quantization == "int8" else Linear(weight, bias)
@@ -247,6 +252,9 @@ def choose_prefill_route(linears: list[Int8Linear]) -> MatmulRouting:
     `canonical`, the layers' own kernel, or `torch`, widened slices on torch's GEMM. Which wins
     depends on the CPU: MKL's float GEMM on an AVX-512 Xeon; the int8 dot kernel on a Zen 5 EPYC,
     where MKL's float32 GEMM reaches about 170 GFLOP/s. Decode-sized calls always take the kernel."""
+    linears = [lin for lin in linears if isinstance(lin, Int8Linear)]  # fp8 layers take their one op at any size
+    if not linears:
+        return MatmulRouting("canonical", "canonical", "no int8 layers to time")
     x = torch.randn(PREFILL_TIMING_ROWS, max(lin.in_features for lin in linears), generator=torch.Generator().manual_seed(0))
     rows = {lin.in_features: x[:, : lin.in_features] for lin in linears}
     kernel = best_seconds(lambda: [lin._kernel_matmul(rows[lin.in_features]) for lin in linears], 2)

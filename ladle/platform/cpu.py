@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import TYPE_CHECKING
 
@@ -13,6 +14,8 @@ from ladle.platform.base import Platform
 if TYPE_CHECKING:
     from ladle.config import EngineConfig
     from ladle.model.dtype import DtypeChoice
+
+log = logging.getLogger("ladle")
 
 
 class CpuPlatform(Platform):
@@ -27,7 +30,9 @@ class CpuPlatform(Platform):
                              "Triton's interpreter, TRITON_INTERPRET=1: for tests)")
 
     def check(self, config: EngineConfig) -> None:
-        pass
+        if config.quantization == "fp8":
+            log.warning("--quantization fp8 on the CPU: torch multiplies e4m3 without fp8 hardware, tens of times "
+                        "slower than float32 (a correctness path); --quantization int8 is the CPU's fast one")
 
     def choose_dtype(self, requested: str, quantized: bool) -> DtypeChoice:
         from ladle.model.dtype import choose_dtype

@@ -34,6 +34,13 @@ def unsupported_on_cuda(config: EngineConfig) -> list[str]:
     return [what for what, on in refused.items() if on]
 
 
+def fp8_refusal(config: EngineConfig, gpu: str, capability: tuple[int, int]) -> list[str]:
+    """--quantization fp8 where the GPU has no FP8 tensor cores (before sm_89: Ada, Hopper)."""
+    if config.quantization != "fp8" or capability >= (8, 9):
+        return []
+    return [f"--quantization fp8 on {gpu} (sm_{capability[0]}{capability[1]}: FP8 matmuls need sm_89 or later)"]
+
+
 class CudaPlatform(Platform):
     name = "cuda"
 
@@ -45,7 +52,7 @@ class CudaPlatform(Platform):
         self.capability, self.num_sms = (props.major, props.minor), props.multi_processor_count
 
     def check(self, config: EngineConfig) -> None:
-        refused = unsupported_on_cuda(config)
+        refused = unsupported_on_cuda(config) + fp8_refusal(config, self.gpu_name, self.capability)
         if refused:
             raise ValueError(f"--device cuda does not run {'; '.join(refused)}")
 

@@ -201,3 +201,23 @@ def test_gpu_memory_utilization_sizes_the_pool(tiny_models) -> None:
     del llm
     with pytest.raises(ValueError, match="gpu-memory-utilization"):
         LLM(str(tiny_models["llama"]), device="cuda", dtype="bfloat16", gpu_memory_utilization=0.001)
+
+
+def test_fp8_weights_follow_their_bf16_source_and_score_bit_identically(tiny_models) -> None:
+    """--quantization fp8 on the FP8 tensor cores: the first greedy token agrees with the bf16 engine's on
+    most prompts (a tiny random model is a harsh case for e4m3), and decisions replay bit for bit alone,
+    batched and cached, their rows through the fixed-shape chunks."""
+    fp8 = LLM(str(tiny_models["llama"]), quantization="fp8", **ENGINE)
+    bf16 = LLM(str(tiny_models["llama"]), **ENGINE)
+    assert fp8.engine.runtime_info()["weights"] == "fp8 e4m3 per row"
+    ours, theirs = fp8.generate(PROMPTS, GREEDY), bf16.generate(PROMPTS, GREEDY)
+    assert sum(a.outputs[0].token_ids[0] == b.outputs[0].token_ids[0] for a, b in zip(ours, theirs)) >= 4
+    score = SamplingParams(label_token_ids=[20, 21, 22, 23])
+    alone = fp8.generate(PROMPTS[3], score)[0].outputs[0].label_logprobs
+    batched = fp8.generate(PROMPTS, [score] * len(PROMPTS))[3].outputs[0].label_logprobs
+    assert alone == batched == fp8.generate(PROMPTS[3], score)[0].outputs[0].label_logprobs
+
+
+def test_canonical_rows_take_the_fixed_tile_triton_matmul(tiny_models) -> None:
+    llm = LLM(str(tiny_models["llama"]), **ENGINE)
+    assert llm.engine.runner.model.routing.invariant == "triton"
