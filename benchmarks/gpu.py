@@ -14,6 +14,12 @@ Cases (--cases, default all, in this order):
             Llama-3.1-8B (TTFT p99 <= 500 ms, TPOT p99 <= 30 ms)
   graphs    batch-1 decode of a small model (SmolLM2-135M's shape) with and without CUDA graphs
 
+Issue 45's cases, run only when named (--cases invariant,fp8,fp8_kv):
+  invariant decode tok/s at batch 64 and 256 with every request canonical (--deterministic: the
+            fixed-tile Triton matmul and the extend kernel) against the normal mode: the guarantee's cost
+  fp8       --quantization fp8 against bf16: batch-1 decode ms/token and offline output tok/s
+  fp8_kv    the most 1200-token sequences the pool holds with --kv-cache-dtype fp8 against bf16 KV
+
 Writes gpu.json (every figure, the GPU, driver and torch named) and gpu.md (the table) to --out.
 
 Usage: python benchmarks/gpu.py --tokenizer .gpu/llama3-tokenizer --out DIR [--cases ...] [--quick]
@@ -38,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import free_port, running_server  # noqa: E402
 
 CASES = ("ceilings", "decode", "prefill", "offline", "serve", "graphs")
+NAMED_CASES = ("invariant", "fp8", "fp8_kv")  # issue 45's: only when --cases names them
 LLAMA31_8B = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256, "hidden_size": 4096,
     "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
@@ -257,6 +264,71 @@ def graphs_case(folder: Path, quick: bool) -> dict:
 # -- driver -------------------------------------------------------------------------------------------
 
 
+def decode_tok_s(llm, batch: int, steps: int) -> float:
+    """Output tok/s of `batch` sequences decoding together: the same prompts run for one token and for
+    steps + 1, the difference being `steps` decode steps."""
+    from ladle import SamplingParams
+
+    prompts = random_prompts(batch, 128, seed=batch)
+    first, more = (SamplingParams(max_tokens=n, ignore_eos=True, temperature=0) for n in (1, steps + 1))
+    llm.generate(prompts, first)  # warm-up
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    llm.generate(prompts, first)
+    t1 = time.perf_counter()
+    llm.generate(prompts, more)
+    t2 = time.perf_counter()
+    return batch * steps / ((t2 - t1) - (t1 - t0))
+
+
+def with_engine(folder: Path, engine: dict, fn):
+    """fn(llm) on a fresh engine, freed after."""
+    from ladle import LLM
+
+    llm = LLM(str(folder), **engine)
+    try:
+        return fn(llm)
+    finally:
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def invariant_case(folder: Path, engine: dict, quick: bool) -> dict:
+    steps = 16 if quick else 64
+    out = {}
+    for mode, flags in (("normal", {}), ("invariant", {"deterministic": True})):
+        out[mode] = with_engine(folder, {**engine, **flags},
+                                lambda llm: {b: decode_tok_s(llm, b, steps) for b in (64, 256)})
+    out["kept"] = {b: out["invariant"][b] / out["normal"][b] for b in (64, 256)}
+    log(f"invariant mode keeps {out['kept'][64]:.0%} of decode tok/s at batch 64, {out['kept'][256]:.0%} at 256")
+    return out
+
+
+def fp8_case(folder: Path, engine: dict, roofs: dict, prompts: list[list[int]], quick: bool) -> dict:
+    out = {}
+    for name, flags in (("bf16", {}), ("fp8", {"quantization": "fp8"})):
+        out[name] = with_engine(folder, {**engine, **flags}, lambda llm: {
+            "decode": decode_case(llm, roofs, quick), "offline": offline_ladle(llm, prompts, 200)})
+    out["decode_speedup"] = out["bf16"]["decode"]["engine_ms_per_token"] / out["fp8"]["decode"]["engine_ms_per_token"]
+    out["offline_speedup"] = out["fp8"]["offline"]["output_tok_s"] / out["bf16"]["offline"]["output_tok_s"]
+    log(f"fp8 weights: batch-1 decode {out['decode_speedup']:.2f}x, offline {out['offline_speedup']:.2f}x bf16's")
+    return out
+
+
+def fp8_kv_case(folder: Path, engine: dict) -> dict:
+    per_seq_tokens = 1200  # 1000 prompt + 200 output, the offline case's requests
+    out = {}
+    for name in ("bfloat16", "fp8"):
+        info = with_engine(folder, {**engine, "kv_cache_dtype": name}, lambda llm: llm.engine.cache_config_info())
+        blocks, size = int(info["num_gpu_blocks"]), int(info["block_size"])
+        out[name] = {"blocks": blocks, "block_size": size, "max_sequences": blocks // -(-per_seq_tokens // size)}
+    out["ratio"] = out["fp8"]["max_sequences"] / out["bfloat16"]["max_sequences"]
+    log(f"fp8 KV: {out['fp8']['max_sequences']} sequences of {per_seq_tokens} tokens against bf16's "
+        f"{out['bfloat16']['max_sequences']} ({out['ratio']:.2f}x)")
+    return out
+
+
 def device_facts() -> dict:
     smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
                          capture_output=True, text=True)
@@ -283,7 +355,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokenizer", type=Path, required=True, help="a Llama 3 tokenizer folder (tokenizer.json, ...)")
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--cases", default=",".join(CASES))
+    p.add_argument("--cases", default=",".join(CASES), help=f"of {CASES + NAMED_CASES}")
     p.add_argument("--quick", action="store_true", help="smaller runs of each case (a smoke test)")
     p.add_argument("--requests", type=int, default=512)
     p.add_argument("--hf-batch", type=int, default=256, help="transformers' static batch (the largest that fits)")
@@ -340,6 +412,12 @@ def main() -> None:
         run_case(results, "serve", lambda: serve_case(big, args.out, levels, flags), save)
     if "graphs" in cases:
         run_case(results, "graphs", lambda: graphs_case(small, args.quick), save)
+    if "invariant" in cases:
+        run_case(results, "invariant", lambda: invariant_case(big, engine, args.quick), save)
+    if "fp8" in cases:
+        run_case(results, "fp8", lambda: fp8_case(big, engine, roofs, prompts, args.quick), save)
+    if "fp8_kv" in cases:
+        run_case(results, "fp8_kv", lambda: fp8_kv_case(big, engine), save)
     save()
     table = summary(results)
     (args.out / "gpu.md").write_text(table)
@@ -375,6 +453,15 @@ def summary(r: dict) -> str:
                          f"p50/p99 {run['p50_tpot_ms']:.1f}/{run['p99_tpot_ms']:.1f} ms, "
                          f"{run['output_throughput']:.0f} tok/s, goodput {run['request_goodput']:.2f} req/s | "
                          f"p99 SLO {'met' if run['meets_slo_p99'] else 'missed'} |")
+    if "kept" in (r.get("invariant") or {}):
+        lines.append(f"| invariant mode (every request canonical) | {r['invariant']['kept'][64]:.0%} of normal decode "
+                     f"tok/s at batch 64, {r['invariant']['kept'][256]:.0%} at 256 | >= 80% at 64 |")
+    if "decode_speedup" in (r.get("fp8") or {}):
+        lines.append(f"| fp8 weights | batch-1 decode {r['fp8']['decode_speedup']:.2f}x bf16, offline "
+                     f"{r['fp8']['offline_speedup']:.2f}x | |")
+    if "ratio" in (r.get("fp8_kv") or {}):
+        lines.append(f"| fp8 KV | {r['fp8_kv']['fp8']['max_sequences']} sequences of 1200 tokens against bf16's "
+                     f"{r['fp8_kv']['bfloat16']['max_sequences']} ({r['fp8_kv']['ratio']:.2f}x) | |")
     errors = [f"- {name}: {v['error']}" for name, v in r.items() if isinstance(v, dict) and "error" in v]
     return "\n".join(lines + ([""] + errors if errors else [])) + "\n"
 

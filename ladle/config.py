@@ -44,7 +44,7 @@ class EngineConfig:
     # LADLE_DTYPE sets the default (the test suite pins float32 with it)
     dtype: str = field(default_factory=lambda: os.environ.get("LADLE_DTYPE", "auto"))
     kv_cache_dtype: str = "auto"  # auto follows the compute dtype; int8 / fp8: 8 bits and a scale per token and head
-    quantization: str = "auto"  # auto | none | int8: how linear weights are held (ladle.model.quantization)
+    quantization: str = "auto"  # auto | none | int8 | fp8: how linear weights are held (ladle.model.quantization, fp8)
     speculative_config: SpeculativeConfig | None = None  # speculative decoding (ladle.spec_decode); None: off
     # multi-LoRA (ladle.lora): adapters by name=path, batched with the base model
     enable_lora: bool = False
