@@ -41,7 +41,8 @@ def search(base: str, label: str, rnd: int, spec: SearchSpec, logs: Path, timeou
                "--base-url", base, "--goodput", spec.slo, "--attainment", str(spec.attainment),
                "--num-prompts", str(spec.num_prompts), "--random-input-len", str(spec.prompt_len),
                "--random-output-len", str(spec.output_len), "--num-warmups", str(spec.warmups),
-               "--max-steps", str(spec.max_steps), "--start", str(spec.rate_start if axis == "rate" else 1), "--temperature", "0", "--no-plot", "--disable-tqdm",
+               "--max-steps", str(spec.max_steps), "--start", str(spec.rate_start if axis == "rate" else 1),
+               "--temperature", "0", "--no-plot", "--disable-tqdm",
                "--result-dir", str(logs),
                # a search's steps draw prompts from seed + step: each axis (and round) from its own seeds, or
                # the second axis's first steps would repeat the first's prompts and hit the prefix cache

@@ -177,7 +177,8 @@ def prefill_tok_s(llm: LLM, n: int = 8, prompt_len: int = 512) -> float:
 
 
 def run_dtype(dtype: str, args: argparse.Namespace, cases: list[str]) -> dict:
-    llm = LLM(args.model, max_num_seqs=max(16, *STEP_BATCHES), max_num_batched_tokens=args.max_num_batched_tokens, dtype=dtype)
+    llm = LLM(args.model, max_num_seqs=max(16, *STEP_BATCHES), max_num_batched_tokens=args.max_num_batched_tokens,
+              dtype=dtype)
     torch_dtype = llm.engine.dtype.dtype
     report: dict = llm.engine.runtime_info()  # dtype, why, KV dtype, kernels, matmul route
     print(f"\n=== --dtype {dtype}: {llm.engine.dtype.name} ({llm.engine.dtype.reason}); "
@@ -232,7 +233,7 @@ def run_dtype(dtype: str, args: argparse.Namespace, cases: list[str]) -> dict:
         bound_ms = wb / (bw * 1e9) * 1000
         rows = {}
         for batch in STEP_BATCHES:
-            r = decode_step_split(llm, batch, 16 if args.quick else 64)
+            r = decode_step_split(llm, batch, 4 if args.quick else 64)
             r["non_matmul_pct"] = 100 * (r["step_ms"] - r["matmul_ms"]) / r["step_ms"]
             r["bound_ratio"] = r["step_ms"] / bound_ms
             rows[batch] = r

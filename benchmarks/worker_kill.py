@@ -74,7 +74,9 @@ def stream_end(url: str, path: str, body: dict, drop_after: int | None = None) -
     last = json.loads(events[-1])
     if last.get("type") in ("response.completed", "response.incomplete"):  # a Responses stream's own last event
         return "done"
-    if "error" in last and last.get("type") in (None, "error") or last.get("type") == "response.failed":
+    # chat and completions: {"error": {...}}; a Responses stream: its own `error` event ({"type": "error",
+    # "code", "message", ...}, no "error" key) or response.failed
+    if last.get("type") in ("error", "response.failed") or "error" in last and last.get("type") is None:
         return "error event"
     return "silent"
 

@@ -23,7 +23,7 @@ def question(llm: LLM, text: str, i: int) -> str:
 @pytest.fixture(scope="module")
 def text() -> str:
     rng = random.Random(0)
-    return " ".join(rng.choice(WORDS) for _ in range(112))
+    return " ".join(rng.choice(WORDS) for _ in range(80))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -25,7 +25,7 @@ def operands(m: int, k: int, n: int, dtype: torch.dtype, seed: int = 0):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_a_rows_bits_do_not_depend_on_its_batch(dtype: torch.dtype) -> None:
-    k, n = 80, 72  # a K tail and an N tail past the 64-wide tiles
+    k, n = 80, 72  # a K tail past the 64-deep tiles, an N tail inside the 128-wide one
     x, w, b = operands(64, k, n, dtype)
     y = invariant_linear(x, w, b)
     exact = x.double() @ w.double().T + b.double()

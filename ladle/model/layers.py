@@ -24,9 +24,10 @@ class Linear:
 
     Batch-invariant calls (canonical sequences) always go to the native canonical kernel:
     one fixed FMA chain per output, so a row's bits never depend on what shares the call
-    (W packed into its panel layout on first use); on CUDA, to the fixed-tile Triton matmul. Other calls go where `routing` says,
-    by their row count: the native small-row kernel (float32 decode steps), the canonical
-    kernel, the AMX kernel (bf16 decode steps on CPUs with AMX), or torch (MKL, oneDNN for bf16).
+    (W packed into its panel layout on first use); on CUDA, to the fixed-tile Triton matmul.
+    Other calls go where `routing` says, by their row count: the native small-row kernel
+    (float32 decode steps), the canonical kernel, the AMX kernel (bf16 decode steps on CPUs
+    with AMX), or torch (MKL, oneDNN for bf16).
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
@@ -154,8 +155,8 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up, computed in place in gate_up's first half (rows stay gate_up's stride):
     no new [T, intermediate] tensors. float32 and bfloat16 take the native kernel (its own exp, the
     same bits for an element whatever its row count), other dtypes torch's ops."""
-    if (gate_up.dtype in (torch.float32, torch.bfloat16) and gate_up.is_cpu and gate_up.dim() == 2 and gate_up.stride(1) == 1
-            and gate_up.shape[1] % 2 == 0 and not gate_up.requires_grad):
+    if (gate_up.dtype in (torch.float32, torch.bfloat16) and gate_up.is_cpu and gate_up.dim() == 2
+            and gate_up.stride(1) == 1 and gate_up.shape[1] % 2 == 0 and not gate_up.requires_grad):
         native = kernels.native_kernels()
         if native is not None:
             return native.silu_and_mul(gate_up)
@@ -274,8 +275,9 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     for bit in three elementwise ops; float32 or bfloat16 heads laid out contiguously are rotated
     in place by the native kernel (the same three roundings) and x returned.
     """
-    if (x.dtype == cos.dtype == sin.dtype and x.dtype in (torch.float32, torch.bfloat16) and x.is_cpu and x.dim() == 3 and x.stride(2) == 1
-            and x.stride(1) == x.shape[2] and cos.is_contiguous() and sin.is_contiguous()
+    if (x.dtype == cos.dtype == sin.dtype and x.dtype in (torch.float32, torch.bfloat16) and x.is_cpu
+            and x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2] and cos.is_contiguous()
+            and sin.is_contiguous()
             and cos.shape == sin.shape == (x.shape[0], 1, x.shape[2]) and not x.requires_grad):
         native = kernels.native_kernels()
         if native is not None:

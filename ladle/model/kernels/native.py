@@ -295,9 +295,8 @@ class NativeKernels:
             status = self._amx_linear(x[first].data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(),
                                       y[first].data_ptr(), part, k, n, torch.get_num_threads())
             if status:
-                raise RuntimeError({-2: "amx_linear: the kernels were not built for AMX",
-                                    -3: "amx_linear: Linux did not grant the AMX tile state"}.get(status,
-                                                                                                 f"amx_linear: {status}"))
+                why = {-2: "the kernels were not built for AMX", -3: "Linux did not grant the AMX tile state"}
+                raise RuntimeError(f"amx_linear: {why.get(status, status)}")
         return y
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -311,23 +310,25 @@ class NativeKernels:
         """h += a in place, then RMSNorm(h) (returned): [M, N] operands, contiguous, all float32 or all
         bfloat16."""
         y = torch.empty_like(h)
-        (self._add_rms_norm_bf16 if h.dtype == torch.bfloat16 else self._add_rms_norm)(h.data_ptr(), a.data_ptr(), weight.data_ptr(), y.data_ptr(), h.shape[0], h.shape[1], eps,
-                           torch.get_num_threads())
+        fn = self._add_rms_norm_bf16 if h.dtype == torch.bfloat16 else self._add_rms_norm
+        fn(h.data_ptr(), a.data_ptr(), weight.data_ptr(), y.data_ptr(), h.shape[0], h.shape[1], eps,
+           torch.get_num_threads())
         return y
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up for float32 or bfloat16 gate_up [M, 2 * N] (rows may be strided), in place
         into the gate half, which is returned (activation.cpp)."""
         rows, n = gate_up.shape[0], gate_up.shape[1] // 2
-        (self._silu_and_mul_bf16 if gate_up.dtype == torch.bfloat16 else self._silu_and_mul)(gate_up.data_ptr(), gate_up.stride(0), rows, n, torch.get_num_threads())
+        fn = self._silu_and_mul_bf16 if gate_up.dtype == torch.bfloat16 else self._silu_and_mul
+        fn(gate_up.data_ptr(), gate_up.stride(0), rows, n, torch.get_num_threads())
         return gate_up[:, :n]
 
     def rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [T, heads, D] (float32 or bfloat16, heads contiguous, rows may be strided) rotated in place
         by the [T, D] tables of RotaryEmbedding.tables in x's dtype; returns x."""
         t, heads, d = x.shape
-        if (self._rotary_bf16 if x.dtype == torch.bfloat16 else self._rotary)(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), t, heads, d,
-                        torch.get_num_threads()):
+        fn = self._rotary_bf16 if x.dtype == torch.bfloat16 else self._rotary
+        if fn(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), t, heads, d, torch.get_num_threads()):
             raise ValueError(f"rotary: head size {d} must be even and at most 1024")
         return x
 

@@ -3,7 +3,8 @@
 Three kernels can compute a linear layer: the native small-row kernel (row-major W, AVX2),
 the native canonical kernel (packed panels, AVX-512 where the CPU has it) and torch (MKL,
 or oneDNN for bf16); a fourth on CPUs with AMX-BF16, the native AMX kernel for decode-sized
-bf16 calls (row-major W, never on other CPUs: it exists only in the `amx` build). Which is fastest depends on the CPU: on an AVX2-only EPYC the
+bf16 calls (row-major W, never on other CPUs: it exists only in the `amx` build). Which is
+fastest depends on the CPU: on an AVX2-only EPYC the
 small-row kernel beats MKL for decode steps; on an AVX-512 Xeon MKL's and the canonical
 kernel's wider paths win. So at start-up each candidate is timed on the model's own
 weights, for a decode-sized and a prefill-sized call, and the fastest is used from then on.

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK_M, BLOCK_N, BLOCK_K = 16, 64, 64  # fixed: the tile is what keeps a row's bits
+BLOCK_M, BLOCK_N, BLOCK_K = 16, 128, 64  # fixed: the tile is what keeps a row's bits
 
 
 @triton.jit
