@@ -13,7 +13,6 @@ is kept as `mtp` where its weights are there: it drafts for `--speculative-confi
 
 from __future__ import annotations
 
-
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass, replace

@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from ladle.model.kernels.loader import build_dir, cpu_flags, native_kernels
+from ladle.model.kernels.loader import build_dir, cpu_flags, native_kernels, write_atomically
 from ladle.model.kernels.routing import best_seconds
 
 logger = logging.getLogger(__name__)
@@ -88,10 +87,7 @@ def _auto_on_this_machine() -> DtypeChoice:
         pass
     choice = _auto(cpu_flags())
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_name(f"{path.name}.{os.getpid()}")
-        partial.write_text(json.dumps({"name": choice.name, "reason": choice.reason}))
-        os.replace(partial, path)
+        write_atomically(path, json.dumps({"name": choice.name, "reason": choice.reason}))
     except OSError as e:  # a read-only cache: decide again next time
         logger.warning("could not keep the dtype choice in %s: %s", path, e)
     return choice

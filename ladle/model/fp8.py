@@ -17,9 +17,8 @@ own, so a row's bits do not depend on what else is in the step.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from ladle.model.layers import BATCH_INVARIANT_ROWS, Linear
+from ladle.model.layers import Linear, in_fixed_chunks
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # e4m3's largest finite value
@@ -57,11 +56,7 @@ class Fp8Linear(Linear):
         pass
 
     def __call__(self, x: torch.Tensor, batch_invariant: bool = False) -> torch.Tensor:
-        if not batch_invariant:
-            return self._scaled(x)
-        rows, step = x.shape[0], BATCH_INVARIANT_ROWS
-        padded = F.pad(x, (0, 0, 0, -rows % step))
-        return torch.cat([self._scaled(chunk) for chunk in padded.split(step)])[:rows]
+        return in_fixed_chunks(x, self._scaled) if batch_invariant else self._scaled(x)
 
     def dequantized(self) -> torch.Tensor:
         """The weights these e4m3 values and scales stand for, float32 [N, K] (tests, references)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -89,10 +90,7 @@ class Linear:
         return y if x.dtype == torch.float32 else y.to(x.dtype)
 
     def _fixed_shape(self, x: torch.Tensor) -> torch.Tensor:
-        rows, step = x.shape[0], BATCH_INVARIANT_ROWS
-        padded = x.new_zeros(-(-rows // step) * step, x.shape[1])
-        padded[:rows] = x
-        return torch.cat([F.linear(chunk, self.weight, self.bias) for chunk in padded.split(step)])[:rows]
+        return in_fixed_chunks(x, lambda chunk: F.linear(chunk, self.weight, self.bias))
 
     def _amx_input(self, x: torch.Tensor) -> bool:
         # routed to `amx` only where the kernels are the AMX build (routing.py), so no second check of that
@@ -106,6 +104,14 @@ class Linear:
     def nbytes(self) -> int:
         """Weight bytes one call reads."""
         return self.weight.numel() * self.weight.element_size()
+
+
+def in_fixed_chunks(x: torch.Tensor, matmul: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """matmul over x's rows in zero-padded calls of exactly BATCH_INVARIANT_ROWS rows: one call shape
+    whatever the batch, so a library that picks its kernel by shape picks the same one for every row."""
+    rows, step = x.shape[0], BATCH_INVARIANT_ROWS
+    padded = F.pad(x, (0, 0, 0, -rows % step))
+    return torch.cat([matmul(chunk) for chunk in padded.split(step)])[:rows]
 
 
 def _native_operand(x: torch.Tensor, dim: int = 2) -> bool:

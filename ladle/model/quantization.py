@@ -43,6 +43,7 @@ import torch
 from ladle.model import kernels
 from ladle.model.kernels.native import DOT_BLOCK, exactly_fp16
 from ladle.model.kernels.routing import MatmulRouting, best_seconds
+from ladle.model.fp8 import Fp8Linear
 from ladle.model.layers import Linear
 
 log = logging.getLogger(__name__)
@@ -130,7 +131,7 @@ def cat_weights(parts: list[torch.Tensor | GroupedWeight], dtype: torch.dtype) -
 def describe(linears: list[Linear]) -> str:
     """How a model's linear weights are held, for the start log and /version."""
     grouped = {(lin.bits, lin.group_size, lin.source) for lin in linears if lin.quantized and lin.group_size}
-    fp8 = sum(lin.quantized and getattr(lin, "qweight_t", None) is not None for lin in linears)
+    fp8 = sum(isinstance(lin, Fp8Linear) for lin in linears)
     per_row = sum(lin.quantized and not lin.group_size for lin in linears) - fp8
     floats = sum(not lin.quantized for lin in linears)
     parts = [f"{'4-bit' if bits == 4 else 'int8'} in groups of {size} ({source})"
@@ -143,8 +144,6 @@ def make_linear(weight: torch.Tensor | GroupedWeight, bias: torch.Tensor | None,
                 dtype: torch.dtype) -> Linear:
     """The layer `quantization` asks for (see the module docstring)."""
     if quantization == "fp8":
-        from ladle.model.fp8 import Fp8Linear
-
         return Fp8Linear(weight.dequantize(dtype) if isinstance(weight, GroupedWeight) else weight, bias)
     if isinstance(weight, GroupedWeight):
         return Linear(weight.dequantize(dtype), bias) if quantization == "none" else Int8Linear(weight, bias, dtype)

@@ -112,6 +112,15 @@ def build_dir(isa: str | None = None) -> Path:
     return base / "kernels" / f"torch{torch.__version__}-{_cpu_tag()}-{isa or chosen_isa()}"
 
 
+def write_atomically(path: Path, text: str) -> None:
+    """text into path (its folders made), through a partial file renamed over it, so a reader in another
+    process never sees half of it; OSError where the cache cannot be written."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f"{path.name}.{os.getpid()}")
+    partial.write_text(text)
+    os.replace(partial, path)
+
+
 def _cpu_tag() -> str:
     return hashlib.sha1(f"{platform.machine()} {' '.join(sorted(cpu_flags()))}".encode()).hexdigest()[:12]
 

@@ -159,11 +159,11 @@ class NativeKernels:
         y = torch.empty(rows, out_features, dtype=torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32)
         entry = self._canonical_linear_bf16 if x.dtype == torch.bfloat16 else self._canonical_linear
         entry(x.data_ptr(), x.stride(0), packed.data_ptr(), _WEIGHT_TYPES[packed.dtype],
-                               None if scales is None else scales.data_ptr(),
-                               None if group_scales is None else group_scales.data_ptr(),
-                               None if group_mins is None else group_mins.data_ptr(), int(half), size,
-                               None if bias is None else bias.data_ptr(), y.data_ptr(), rows, k, out_features,
-                               torch.get_num_threads())
+              None if scales is None else scales.data_ptr(),
+              None if group_scales is None else group_scales.data_ptr(),
+              None if group_mins is None else group_mins.data_ptr(), int(half), size,
+              None if bias is None else bias.data_ptr(), y.data_ptr(), rows, k, out_features,
+              torch.get_num_threads())
         return y
 
     def widen_panels(self, packed: torch.Tensor, k: int, out: torch.Tensor, first_panel: int = 0,

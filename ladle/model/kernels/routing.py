@@ -60,17 +60,18 @@ class MatmulRouting:
     # the fixed-tile Triton matmul where the layer ops are Triton's (CUDA)
     invariant: str = "canonical"
 
+    @property
+    def buckets(self) -> tuple[str, ...]:
+        """The kernel for each ROW_BUCKETS bucket."""
+        return self.by_rows or (self.decode,) * len(ROW_BUCKETS)
+
     def kernel_for(self, rows: int) -> str:
-        for limit, kernel in zip(ROW_BUCKETS, self.by_rows or (self.decode,) * len(ROW_BUCKETS)):
-            if rows <= limit:
-                return kernel
-        return self.prefill
+        return next((kernel for limit, kernel in zip(ROW_BUCKETS, self.buckets) if rows <= limit), self.prefill)
 
     def table(self) -> str:
         """The route per row bucket, as the start log and the benchmarks print it."""
-        kernels = self.by_rows or (self.decode,) * len(ROW_BUCKETS)
         lows = (1,) + tuple(limit + 1 for limit in ROW_BUCKETS[:-1])
-        cells = [f"{lo}-{hi} {k}" if lo < hi else f"{lo} {k}" for lo, hi, k in zip(lows, ROW_BUCKETS, kernels)]
+        cells = [f"{lo}-{hi} {k}" if lo < hi else f"{lo} {k}" for lo, hi, k in zip(lows, ROW_BUCKETS, self.buckets)]
         return ", ".join(cells + [f"{ROW_BUCKETS[-1] + 1}+ {self.prefill}"])
 
 
@@ -112,13 +113,12 @@ def _kept(isa: str, key: tuple) -> MatmulRouting | None:
 
 
 def _keep(isa: str, key: tuple, routing: MatmulRouting) -> MatmulRouting:
+    from ladle.model.kernels.loader import write_atomically
+
     path = routes_file(isa, key)
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_name(f"{path.name}.{os.getpid()}")
-        partial.write_text(json.dumps({"by_rows": routing.by_rows, "prefill": routing.prefill,
-                                       "measured": routing.measured}))
-        os.replace(partial, path)
+        write_atomically(path, json.dumps({"by_rows": routing.by_rows, "prefill": routing.prefill,
+                                           "measured": routing.measured}))
     except OSError as e:  # a read-only cache: measure again next time
         logger.warning("could not keep the matmul routes in %s: %s", path, e)
     return routing
