@@ -6,8 +6,10 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 DOCS_STAMP := $(VENV)/.docs-installed
-# pytest-xdist workers: one per core up to 4, each module on one worker (TEST_WORKERS=0 runs in-process)
-TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); echo $$(( n < 4 ? n : 4 )))
+# pytest-xdist workers: one per core and one more, up to 4, each module on one worker (TEST_WORKERS=0 runs
+# in-process). The extra one computes while another waits on the servers and routers its tests start
+# (on 2 cores: 13 minutes instead of 15).
+TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); echo $$(( n + 1 < 4 ? n + 1 : 4 )))
 PYTEST := $(BIN)/python -m pytest -q -n $(TEST_WORKERS)
 
 .PHONY: serve test test-fast test-avx2 bench docs clean

@@ -456,3 +456,16 @@ def test_the_offload_tier_restores_latents(deepseek, tmp_path: Path) -> None:
     assert llm.engine.kv.offload.tier.stats.restored >= 5 and cached >= 176
     assert out == want_out and [lp.logprob for lp in logprobs] == [lp.logprob for lp in want_logprobs]
     assert_no_leak(llm)
+
+
+def test_deepseeks_own_fp8_format_serves_what_transformers_fp8_loader_serves(deepseek, tmp_path: Path) -> None:
+    """DeepSeek V3's checkpoints as released: every projection in e4m3 with a scale per block
+    (weight_scale_inv), read by transformers' own FP8 loader as the reference; ladle dequantises on the CPU."""
+    from test_fp8_checkpoints import write_checkpoint
+    from transformers import AutoModelForCausalLM, FineGrainedFP8Config
+
+    folder = tmp_path / "fp8"
+    write_checkpoint(deepseek[0], folder, "hf-block", block=(8, 8))
+    hf_model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
+                                                    quantization_config=FineGrainedFP8Config(dequantize=True)).eval()
+    check_against_transformers(LLM(str(folder), dtype="float32"), hf_model, PROMPTS[:3])

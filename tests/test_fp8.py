@@ -39,7 +39,7 @@ def test_linear_is_the_scaled_product_of_its_quantised_operands() -> None:
     """Against float64 on the very e4m3 values and scales: only float32's accumulation differs."""
     g = torch.Generator().manual_seed(1)
     w, b, x = torch.randn(40, 64, generator=g), torch.randn(40, generator=g), torch.randn(9, 64, generator=g) * 3
-    lin = Fp8Linear(w, b)
+    lin = Fp8Linear.quantized_at_load(w, b)
     qx, sx = quantize_rows(x)
     exact = (qx.double() * sx.double()) @ lin.dequantized().double().T + b.double()
     y = lin(x)
@@ -52,7 +52,7 @@ def test_linear_is_the_scaled_product_of_its_quantised_operands() -> None:
 
 def test_canonical_rows_keep_their_bits_whatever_the_batch() -> None:
     g = torch.Generator().manual_seed(2)
-    lin = Fp8Linear(torch.randn(48, 64, generator=g), None)
+    lin = Fp8Linear.quantized_at_load(torch.randn(48, 64, generator=g), None)
     x = torch.randn(64, 64, generator=g)
     batched = lin(x, batch_invariant=True)
     for rows in (1, 2, 7):
@@ -80,7 +80,7 @@ def test_an_fp8_engine_follows_its_float_source(fp8_and_float) -> None:
     case for e4m3's 6% steps (8 prompts measured: 5 agreed, logprobs within 0.35); the layer's own
     arithmetic is checked exactly above, and real models' perplexity is the device check's."""
     fp8, floats = fp8_and_float
-    assert fp8.engine.runtime_info()["weights"] == "fp8 e4m3 per row"
+    assert fp8.engine.runtime_info()["weights"] == "fp8 e4m3 per row (quantised at load)"
     prompts = ["The capital of France is", "1, 2, 3, 4,", "Once upon a time", "def main():"]
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
     ours = [r.outputs[0] for r in fp8.generate(prompts, params)]

@@ -38,7 +38,7 @@ from ladle.model.config import ModelConfig
 from ladle.model.dtype import DTYPES, canonical_name
 from ladle.model.kv_quant import KV_8BIT
 from ladle.model.quantization import describe as describe_weights
-from ladle.model.loader import holds_quantized_weights, load_weights, resolve_model_path
+from ladle.model.loader import holds_fp8_weights, holds_quantized_weights, load_weights, resolve_model_path
 from ladle.engine.runner import ModelRunner
 from ladle.engine.sampler import Sampler, token_logprob
 from ladle.model.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -93,8 +93,9 @@ class LLMEngine:
                  self.dtype.name, self.dtype.reason, kv_name, self.isa)
         check_hybrid(config, self.model_config)
         num_blocks = self._fixed_num_blocks()
+        self.quantization = self._quantization(folder)
         self.runner = ModelRunner(self.model_config, self._weights(folder), num_blocks, config.block_size,
-                                  self.kv_dtype, self._quantization(),
+                                  self.kv_dtype, self.quantization,
                                   self._parallel_spec(folder, num_blocks), self.platform)
         states = start_states(config, self.model_config)
         if states is not None:
@@ -317,11 +318,18 @@ class LLMEngine:
             from ladle.model.dummy import dummy_weights
 
             return dummy_weights(self.model_config, self.dtype.dtype, self.platform.device, self.config.seed)
-        return self.platform.place_weights(load_weights(folder, self.dtype.dtype), self.dtype.dtype)
+        weights = load_weights(folder, self.dtype.dtype, keep_fp8=self.quantization == "fp8")
+        return self.platform.place_weights(weights, self.dtype.dtype)
 
-    def _quantization(self) -> str:
-        """--quantization as the platform serves it: its weights may have been dequantised on the way in."""
+    def _quantization(self, folder) -> str:
+        """--quantization as the platform serves it: its weights may have been dequantised on the way in,
+        and an FP8 checkpoint stays FP8 under auto where the platform multiplies FP8."""
         q = self.config.quantization
+        if q == "auto" and holds_fp8_weights(folder):
+            fp8 = self.platform.fp8_matmuls
+            log.info("fp8 checkpoint: %s", "served in fp8" if fp8 else f"dequantised ({self.platform.name} has no "
+                     "fp8 matmuls; --quantization fp8 keeps it fp8 on torch's scaled matmul)")
+            return "fp8" if fp8 else "none"
         return "none" if q == "auto" and not self.platform.keeps_quantized_weights else q
 
     # -- requests -------------------------------------------------------------

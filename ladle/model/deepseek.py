@@ -33,7 +33,7 @@ from ladle.model.mla import rotate, softmax_scale
 from ladle.model.mla_attention import LatentHeads, MLAPagedAttention
 from ladle.model.moe import MoEBlock, load_moe_block
 from ladle.model.ops import TORCH_OPS, LayerOps
-from ladle.model.quantization import GroupedWeight, cat_weights, choose_prefill_route, make_linear
+from ladle.model.quantization import GroupedWeight, cat_weights, choose_prefill_route, dense, make_linear
 from ladle.model.sharding import Shard, head_rows
 
 if TYPE_CHECKING:
@@ -120,7 +120,7 @@ def _layer(w: dict[str, torch.Tensor | GroupedWeight], i: int, cfg: ModelConfig,
         down_w = w.pop(p + "mlp.down_proj.weight")
         gate_up, down = linear(cat([gate, up]), None), linear(shard.columns(down_w, shard.span(down_w.shape[1])), None)
     # kv_b stays float whatever the quantization: the absorbed decode reads it per head
-    kv_b = Linear(_dense(shard.rows(w.pop(attn + "kv_b_proj.weight"),
+    kv_b = Linear(dense(shard.rows(w.pop(attn + "kv_b_proj.weight"),
                                     head_rows(shard, heads, m.qk_nope_head_dim + m.v_head_dim)), dtype))
     q_b = w.pop(attn + ("q_b_proj.weight" if lora else "q_proj.weight"))
     o_proj = w.pop(attn + "o_proj.weight")
@@ -135,11 +135,6 @@ def _layer(w: dict[str, torch.Tensor | GroupedWeight], i: int, cfg: ModelConfig,
         o_proj=linear(shard.columns(o_proj, head_rows(shard, heads, m.v_head_dim)), None),
         post_attn_norm=w.pop(p + "post_attention_layernorm.weight"),
         gate_up=gate_up, down=down, moe=moe)
-
-
-def _dense(weight: torch.Tensor | GroupedWeight, dtype: torch.dtype) -> torch.Tensor:
-    """A weight as a float tensor of the compute dtype (a GGUF's blocks dequantised)."""
-    return weight.dequantize(dtype) if isinstance(weight, GroupedWeight) else weight
 
 
 class DeepseekV3ForCausalLM:

@@ -27,7 +27,7 @@ from ladle.model.layers import Linear, RotaryEmbedding
 from ladle.model.linear_attention import LinearAttentionLayer, LinearStatePool, load_linear_attention
 from ladle.model.moe import MoEBlock, load_gemma4_moe_block, load_moe_block
 from ladle.model.ops import TORCH_OPS, LayerOps
-from ladle.model.quantization import GroupedWeight, cat_weights, choose_prefill_route, make_linear
+from ladle.model.quantization import GroupedWeight, cat_weights, choose_prefill_route, dense, make_linear
 from ladle.model.sharding import Shard, head_rows, padded_spans
 
 if TYPE_CHECKING:
@@ -91,7 +91,8 @@ def _layer_weights(w: dict[str, torch.Tensor | GroupedWeight], i: int, cfg: Mode
         index = sorted(hybrid.linear_layers).index(i)
         linear_attn = load_linear_attention(w, i, index, hybrid, cfg.rms_norm_eps, linear)
     elif hybrid is not None:  # each head's query rows, then its gate's: the gates go after v
-        q_and_gate = w.pop(attn + "q_proj.weight").view(cfg.num_attention_heads, 2, d, -1)
+        # an FP8 checkpoint's in float32 (exact): the fused q/k/v/g below takes the compute dtype
+        q_and_gate = dense(w.pop(attn + "q_proj.weight"), torch.float32).view(cfg.num_attention_heads, 2, d, -1)
         w[attn + "q_proj.weight"] = q_and_gate[:, 0].reshape(-1, q_and_gate.shape[-1])
         w[attn + "g_proj.weight"] = q_and_gate[:, 1].reshape(-1, q_and_gate.shape[-1])
         projections += "g"

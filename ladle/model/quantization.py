@@ -29,7 +29,9 @@ float Linear (same numbers as the widened path, no saving).
 
 `quantization` (the engine's flag): `auto` serves weights as the checkpoint holds them (GGUF
 blocks grouped int8, float tensors float), `none` dequantises everything to float, `int8`
-also quantises float tensors per row.
+also quantises float tensors per row, `fp8` holds them as e4m3 (ladle.model.fp8). An FP8
+checkpoint's layers (Fp8Weights) stay FP8 under `fp8` (the engine resolves `auto` to it where
+the platform has FP8 matmuls) and are dequantised under the others.
 """
 from __future__ import annotations
 
@@ -43,7 +45,7 @@ import torch
 from ladle.model import kernels
 from ladle.model.kernels.native import DOT_BLOCK, exactly_fp16
 from ladle.model.kernels.routing import MatmulRouting, best_seconds
-from ladle.model.fp8 import Fp8Linear
+from ladle.model.fp8 import Fp8Linear, Fp8Weight, cat_fp8
 from ladle.model.layers import Linear
 
 log = logging.getLogger(__name__)
@@ -112,10 +114,21 @@ class GroupedWeight:
         return GroupedWeight(self.q, self.scales.repeat_interleave(repeat, dim=1), mins, self.source)
 
 
-def cat_weights(parts: list[torch.Tensor | GroupedWeight], dtype: torch.dtype) -> torch.Tensor | GroupedWeight:
+def dense(weight: torch.Tensor | GroupedWeight | Fp8Weight, dtype: torch.dtype) -> torch.Tensor:
+    """A weight as a float tensor of `dtype` (quantised checkpoints' layers dequantised)."""
+    return weight.to(dtype) if isinstance(weight, torch.Tensor) else weight.dequantize(dtype)
+
+
+def cat_weights(parts: list[torch.Tensor | GroupedWeight | Fp8Weight],
+                dtype: torch.dtype) -> torch.Tensor | GroupedWeight | Fp8Weight:
     """Fused projections (q/k/v, gate/up) stacked by output row: grouped if every part is grouped
     (in groups of the smallest part's size where sizes differ, as in a Q4_K_M file's Q4_K and Q6_K
-    layers; a missing minimum is a zero one), else float."""
+    layers; a missing minimum is a zero one), fp8 if every part is fp8 with scales that stack,
+    else float."""
+    if all(isinstance(p, Fp8Weight) for p in parts):
+        fused = cat_fp8(parts)
+        if fused is not None:
+            return fused
     grouped = [p for p in parts if isinstance(p, GroupedWeight)]
     size = min((p.size for p in grouped), default=0)
     if len(grouped) == len(parts) and all(p.size % size == 0 for p in grouped):
@@ -125,26 +138,31 @@ def cat_weights(parts: list[torch.Tensor | GroupedWeight], dtype: torch.dtype) -
             mins = torch.cat([p.mins if p.mins is not None else torch.zeros_like(p.scales) for p in grouped])
         return GroupedWeight(torch.cat([p.q for p in grouped]), torch.cat([p.scales for p in grouped]), mins,
                              " + ".join(sorted({p.source for p in grouped})))
-    return torch.cat([p.dequantize(dtype) if isinstance(p, GroupedWeight) else p for p in parts])
+    return torch.cat([dense(p, dtype) for p in parts])
 
 
 def describe(linears: list[Linear]) -> str:
     """How a model's linear weights are held, for the start log and /version."""
     grouped = {(lin.bits, lin.group_size, lin.source) for lin in linears if lin.quantized and lin.group_size}
-    fp8 = sum(isinstance(lin, Fp8Linear) for lin in linears)
-    per_row = sum(lin.quantized and not lin.group_size for lin in linears) - fp8
+    fp8 = sorted({lin.source for lin in linears if isinstance(lin, Fp8Linear)})
+    per_row = sum(lin.quantized and not lin.group_size and not isinstance(lin, Fp8Linear) for lin in linears)
     floats = sum(not lin.quantized for lin in linears)
     parts = [f"{'4-bit' if bits == 4 else 'int8'} in groups of {size} ({source})"
              for bits, size, source in sorted(grouped)]
-    parts += ["int8 per row"] * bool(per_row) + ["fp8 e4m3 per row"] * bool(fp8) + ["float"] * bool(floats)
+    parts += ["int8 per row"] * bool(per_row) + [f"fp8 e4m3 per row ({source})" for source in fp8]
+    parts += ["float"] * bool(floats)
     return " + ".join(parts)
 
 
-def make_linear(weight: torch.Tensor | GroupedWeight, bias: torch.Tensor | None, quantization: str,
+def make_linear(weight: torch.Tensor | GroupedWeight | Fp8Weight, bias: torch.Tensor | None, quantization: str,
                 dtype: torch.dtype) -> Linear:
-    """The layer `quantization` asks for (see the module docstring)."""
+    """The layer `quantization` asks for (see the module docstring; fp8: ladle.model.fp8)."""
     if quantization == "fp8":
-        return Fp8Linear(weight.dequantize(dtype) if isinstance(weight, GroupedWeight) else weight, bias)
+        if isinstance(weight, Fp8Weight):
+            return Fp8Linear.from_checkpoint(weight, bias, dtype)
+        return Fp8Linear.quantized_at_load(dense(weight, dtype), bias)
+    if isinstance(weight, Fp8Weight):
+        weight = weight.dequantize(dtype)
     if isinstance(weight, GroupedWeight):
         return Linear(weight.dequantize(dtype), bias) if quantization == "none" else Int8Linear(weight, bias, dtype)
     return Int8Linear(weight, bias, dtype) if quantization == "int8" else Linear(weight, bias)

@@ -14,9 +14,10 @@ from dataclasses import dataclass, replace
 import torch
 
 from ladle.model.config import ModelConfig
+from ladle.model.fp8 import Fp8Weight
 from ladle.model.quantization import GroupedWeight
 
-Weight = torch.Tensor | GroupedWeight
+Weight = torch.Tensor | GroupedWeight | Fp8Weight
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,8 @@ class Shard:
         """Output rows `span` of w (or of a bias)."""
         if self.whole:
             return w
+        if isinstance(w, Fp8Weight):
+            return w.rows(span)
         if isinstance(w, GroupedWeight):
             mins = None if w.mins is None else w.mins[span].clone()
             return GroupedWeight(w.q[span].clone(), w.scales[span].clone(), mins, w.source)
@@ -88,6 +91,8 @@ class Shard:
         """Input columns `span` of w; a grouped weight's groups must not straddle the cut."""
         if self.whole:
             return w
+        if isinstance(w, Fp8Weight):
+            return w.columns(span)
         if isinstance(w, GroupedWeight):
             size = w.size
             if span.start % size or span.stop % size:

@@ -51,6 +51,11 @@ class Platform(ABC):
         kernels; else place_weights dequantises them."""
         return True
 
+    @property
+    def fp8_matmuls(self) -> bool:
+        """Whether FP8 matmuls run on fp8 hardware here (an FP8 checkpoint then stays FP8 under auto)."""
+        return False
+
     def place_weights(self, weights: dict, dtype: torch.dtype) -> dict:
         """The checkpoint's tensors where this platform computes with them."""
         return weights

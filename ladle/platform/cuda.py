@@ -78,12 +78,17 @@ class CudaPlatform(Platform):
     def keeps_quantized_weights(self) -> bool:
         return False
 
+    @property
+    def fp8_matmuls(self) -> bool:
+        return self.capability >= (8, 9)
+
     def describe(self) -> str:
         return (f"cuda:{self.device.index} ({self.gpu_name}, {self.total_memory / 2**30:.0f} GiB, "
                 f"sm_{self.capability[0]}{self.capability[1]}, {self.num_sms} SMs)")
 
     def place_weights(self, weights: dict, dtype: torch.dtype) -> dict:
-        """Every tensor on the GPU; quantised layers (GGUF blocks, GPTQ, AWQ) dequantised to dtype."""
+        """Every tensor on the GPU; quantised layers (GGUF blocks, GPTQ, AWQ) dequantised to dtype, an FP8
+        checkpoint's kept (Fp8Weights)."""
         from ladle.model.quantization import GroupedWeight
 
         placed = {}

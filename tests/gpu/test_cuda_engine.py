@@ -209,13 +209,25 @@ def test_fp8_weights_follow_their_bf16_source_and_score_bit_identically(tiny_mod
     batched and cached, their rows through the fixed-shape chunks."""
     fp8 = LLM(str(tiny_models["llama"]), quantization="fp8", **ENGINE)
     bf16 = LLM(str(tiny_models["llama"]), **ENGINE)
-    assert fp8.engine.runtime_info()["weights"] == "fp8 e4m3 per row"
+    assert fp8.engine.runtime_info()["weights"] == "fp8 e4m3 per row (quantised at load)"
     ours, theirs = fp8.generate(PROMPTS, GREEDY), bf16.generate(PROMPTS, GREEDY)
     assert sum(a.outputs[0].token_ids[0] == b.outputs[0].token_ids[0] for a, b in zip(ours, theirs)) >= 4
     score = SamplingParams(label_token_ids=[20, 21, 22, 23])
     alone = fp8.generate(PROMPTS[3], score)[0].outputs[0].label_logprobs
     batched = fp8.generate(PROMPTS, [score] * len(PROMPTS))[3].outputs[0].label_logprobs
     assert alone == batched == fp8.generate(PROMPTS[3], score)[0].outputs[0].label_logprobs
+
+
+def test_an_fp8_checkpoint_stays_fp8_under_auto(tiny_models, tmp_path: Path) -> None:
+    """A per-channel compressed-tensors checkpoint on an FP8 GPU: its e4m3 values as they are, no flag."""
+    from test_fp8_checkpoints import write_checkpoint
+
+    folder = tmp_path / "ct-channel"
+    write_checkpoint(tiny_models["llama"], folder, "ct-channel")
+    fp8, bf16 = LLM(str(folder), **ENGINE), LLM(str(tiny_models["llama"]), **ENGINE)
+    assert fp8.engine.runtime_info()["weights"].startswith("fp8 e4m3 per row (checkpoint)")
+    ours, theirs = fp8.generate(PROMPTS, GREEDY), bf16.generate(PROMPTS, GREEDY)
+    assert sum(a.outputs[0].token_ids[0] == b.outputs[0].token_ids[0] for a, b in zip(ours, theirs)) >= 4
 
 
 def test_canonical_rows_take_the_fixed_tile_triton_matmul(tiny_models) -> None:
