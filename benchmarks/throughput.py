@@ -110,30 +110,48 @@ def batch1_decode_ms(llm: LLM, n: int = 128) -> float:
     return ((t2 - t1) - (t1 - t0)) / n * 1000
 
 
+def linear_classes() -> list[type]:
+    """Linear and every subclass that has a __call__ of its own (int8, fp8 layers)."""
+    found, todo = [], [Linear]
+    while todo:
+        cls = todo.pop()
+        todo += cls.__subclasses__()
+        if "__call__" in vars(cls):
+            found.append(cls)
+    return found
+
+
 @contextlib.contextmanager
 def timed_parts(llm: LLM):
-    """Seconds spent in matmuls (every Linear call, lm_head included) and in attention (the KV write and
-    the attention itself), summed while the block runs; the timers wrap the calls, so the split is
-    the one the model runs, not a replay of its shapes."""
+    """Seconds spent in matmuls (every linear layer's call, of any kind, lm_head included) and in attention
+    (the KV write and the attention itself), summed while the block runs; the timers wrap the calls, so
+    the split is the one the model runs, not a replay of its shapes. A call inside a timed call (a
+    quantised layer falling back on its float one) counts once."""
     spent = {"matmul": 0.0, "attention": 0.0}
+    depth = {"matmul": 0, "attention": 0}
     backend = llm.engine.runner.model.attention
 
     def timed(part: str, fn):
         def call(*a, **k):
+            depth[part] += 1
             t = time.perf_counter()
             try:
                 return fn(*a, **k)
             finally:
-                spent[part] += time.perf_counter() - t
+                depth[part] -= 1
+                if depth[part] == 0:
+                    spent[part] += time.perf_counter() - t
         return call
 
-    linear_call = Linear.__call__
-    Linear.__call__ = timed("matmul", linear_call)
+    calls = {cls: vars(cls)["__call__"] for cls in linear_classes()}
+    for cls, fn in calls.items():
+        cls.__call__ = timed("matmul", fn)
     backend.attend, backend.write_kv = timed("attention", backend.attend), timed("attention", backend.write_kv)
     try:
         yield spent
     finally:
-        Linear.__call__ = linear_call
+        for cls, fn in calls.items():
+            cls.__call__ = fn
         del backend.attend, backend.write_kv  # the instance attributes; the class's methods show again
 
 

@@ -32,6 +32,7 @@ SLOW = [pytest.mark.slow]
 SCRIPTS = {
     "block_formats": Script([], [rf"\| Q4_K \| {NUMBER} \| {NUMBER} \| {NUMBER} \| {NUMBER}x \|",
                                  rf"\| int8 per row \(dot\) \| {NUMBER} \| {NUMBER}"]),
+    "canonical_rows": Script([], [rf"\| 8 \| {NUMBER} \| {NUMBER} \| {NUMBER} \| {NUMBER} \| {NUMBER}x \|"]),
     "deterministic": Script(["--model", "{model}"],
                             [rf"batch-1 decode: {NUMBER} ms/token with --deterministic, {NUMBER} without",
                              rf"64-token prompt: {NUMBER} s with --deterministic"]),

@@ -50,23 +50,28 @@ constexpr int64_t kRowBlockBytes = 8 << 20;
 
 // W streams from memory (a model's weights do not stay in cache from one call to the next),
 // so while the row tiles of one panel group run, they prefetch the next group into L2, each
-// tile an equal share of its lines, one or two lines per step of its k loop.
+// tile an equal share of its lines, spread evenly over its k loop. Spread, not issued in a burst
+// at the loop's start: with two or more tiles a burst outran what memory serves and the next
+// group's first tile waited on misses (benchmarks/canonical_rows.py on the EPYC Zen 3: 12 rows
+// through a 0.5B model's layers in 57-60 ms spread, 64-87 ms in bursts; 24 rows 102-104 against
+// 107-115; 4, 8 and 16 rows within the machine's noise).
 struct Prefetch {
   const char* base = nullptr;
   int64_t lines = 0;
+  int64_t per_step = 0;  // lines per step of the k loop, in 16.16 fixed point
 
-  inline void step(int64_t i, int64_t k) const {
-    if (i < lines) __builtin_prefetch(base + i * kCacheLine, 0, 2);
-    if (i + k < lines) __builtin_prefetch(base + (i + k) * kCacheLine, 0, 2);
+  inline void step(int64_t i) const {
+    const int64_t from = (i * per_step) >> 16, to = std::min(lines, ((i + 1) * per_step) >> 16);
+    for (int64_t j = from; j < to; ++j) __builtin_prefetch(base + j * kCacheLine, 0, 2);
   }
 };
 
-// Tile `index` of `tiles`'s share of the `bytes` at `next` (nullptr: nothing to fetch).
-inline Prefetch prefetch_share(const void* next, int64_t bytes, int64_t index, int64_t tiles) {
-  if (next == nullptr) return {};
+// Tile `index` of `tiles`'s share of the `bytes` at `next` (nullptr: nothing to fetch), over k steps.
+inline Prefetch prefetch_share(const void* next, int64_t bytes, int64_t index, int64_t tiles, int64_t k) {
+  if (next == nullptr || k == 0) return {};
   const int64_t lines = bytes / kCacheLine, share = (lines + tiles - 1) / tiles;
-  const int64_t first = std::min(lines, index * share);
-  return {static_cast<const char*>(next) + first * kCacheLine, std::min(share, lines - first)};
+  const int64_t first = std::min(lines, index * share), mine = std::min(share, lines - first);
+  return {static_cast<const char*>(next) + first * kCacheLine, mine, ((mine << 16) + k - 1) / k};
 }
 
 // Per-group scales (and minimums) of grouped weights, in the panels' layout: panel p's group g
@@ -149,11 +154,11 @@ inline __m512 load_panel(const W* p) {
 // acc[r][p] continues its FMA chain over inputs [begin, end): R rows x P panels.
 template <int R, int P, typename W>
 inline void chain(const float* x, int64_t ldx, const W* panels, int64_t panel_stride, int64_t begin, int64_t end,
-                  int64_t k, Prefetch prefetch, __m512 (&acc)[R][P]) {
+                  Prefetch prefetch, __m512 (&acc)[R][P]) {
   if constexpr (kFourBit<W>) {  // two inputs per byte: each pair's bytes widened once
     for (int64_t i = begin; i < end; i += 2) {
-      prefetch.step(i, k);
-      prefetch.step(i + 1, k);
+      prefetch.step(i);
+      prefetch.step(i + 1);
       for (int p = 0; p < P; ++p) {
         const auto* bytes = reinterpret_cast<const __m128i*>(panels + p * panel_stride + i / 2 * kPanel);
         const __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128(bytes));
@@ -165,7 +170,7 @@ inline void chain(const float* x, int64_t ldx, const W* panels, int64_t panel_st
     }
   } else {
     for (int64_t i = begin; i < end; ++i) {
-      prefetch.step(i, k);
+      prefetch.step(i);
       __m512 w[P];
       for (int p = 0; p < P; ++p) w[p] = load_panel(panels + p * panel_stride + i * kPanel);
       for (int r = 0; r < R; ++r) {
@@ -192,12 +197,11 @@ inline __m512 load_params(const Groups& groups, const void* params, int64_t at) 
 template <int R, int P, typename W>
 void tile_grouped(const float* x, int64_t ldx, const W* panels, int64_t panel_stride, float* c, Prefetch prefetch,
                   Groups groups) {
-  const int64_t k = groups.size * groups.count;
   for (int i = 0; i < R * P * kPanel; ++i) c[i] = 0.0f;
   for (int64_t g = 0; g < groups.count; ++g) {
     __m512 part[R][P];
     zero(part);
-    chain(x, ldx, panels, panel_stride, g * groups.size, (g + 1) * groups.size, k, prefetch, part);
+    chain(x, ldx, panels, panel_stride, g * groups.size, (g + 1) * groups.size, prefetch, part);
     for (int p = 0; p < P; ++p) {
       const int64_t at = (p * groups.count + g) * kPanel;
       const __m512 scale = load_params(groups, groups.scales, at);
@@ -223,7 +227,7 @@ void tile(const float* x, int64_t ldx, const W* panels, int64_t panel_stride, in
     if (groups) return tile_grouped<R, P>(x, ldx, panels, panel_stride, c, prefetch, groups);
     __m512 acc[R][P];
     zero(acc);
-    chain(x, ldx, panels, panel_stride, 0, k, k, prefetch, acc);
+    chain(x, ldx, panels, panel_stride, 0, k, prefetch, acc);
     for (int r = 0; r < R; ++r)
       for (int p = 0; p < P; ++p) _mm512_storeu_ps(c + r * P * kPanel + p * kPanel, acc[r][p]);
   }
@@ -234,13 +238,13 @@ constexpr int kTilePanels = 1;
 
 // lo[r], hi[r] continue their FMA chains over inputs [begin, end): R rows x one panel.
 template <int R, typename W>
-inline void chain(const float* x, int64_t ldx, const W* panels, int64_t begin, int64_t end, int64_t k,
-                  Prefetch prefetch, __m256 (&lo)[R], __m256 (&hi)[R]) {
+inline void chain(const float* x, int64_t ldx, const W* panels, int64_t begin, int64_t end, Prefetch prefetch,
+                  __m256 (&lo)[R], __m256 (&hi)[R]) {
   if constexpr (kFourBit<W>) {  // two inputs per byte: each pair's bytes widened once
     const __m256i nibble = _mm256_set1_epi32(15);
     for (int64_t i = begin; i < end; i += 2) {
-      prefetch.step(i, k);
-      prefetch.step(i + 1, k);
+      prefetch.step(i);
+      prefetch.step(i + 1);
       const auto* b = reinterpret_cast<const __m128i*>(panels + i / 2 * kPanel);
       const __m256i dl = _mm256_cvtepu8_epi32(_mm_loadl_epi64(b));
       const __m256i dh = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(
@@ -257,7 +261,7 @@ inline void chain(const float* x, int64_t ldx, const W* panels, int64_t begin, i
     }
   } else {
     for (int64_t i = begin; i < end; ++i) {
-      prefetch.step(i, k);
+      prefetch.step(i);
       const __m256 wl = load8(panels + i * kPanel), wh = load8(panels + i * kPanel + 8);
       for (int r = 0; r < R; ++r) {
         const __m256 xv = _mm256_broadcast_ss(x + r * ldx + i);
@@ -276,12 +280,11 @@ inline __m256 load_params(const Groups& groups, const void* params, int64_t at) 
 
 template <int R, typename W>
 void tile_grouped(const float* x, int64_t ldx, const W* panels, float* c, Prefetch prefetch, Groups groups) {
-  const int64_t k = groups.size * groups.count;
   for (int i = 0; i < R * kPanel; ++i) c[i] = 0.0f;
   for (int64_t g = 0; g < groups.count; ++g) {
     __m256 lo[R], hi[R];
     for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
-    chain(x, ldx, panels, g * groups.size, (g + 1) * groups.size, k, prefetch, lo, hi);
+    chain(x, ldx, panels, g * groups.size, (g + 1) * groups.size, prefetch, lo, hi);
     const int64_t at = g * kPanel;
     const __m256 scale_lo = load_params(groups, groups.scales, at), scale_hi = load_params(groups, groups.scales, at + 8);
     for (int r = 0; r < R; ++r) {
@@ -309,7 +312,7 @@ void tile(const float* x, int64_t ldx, const W* panels, int64_t, int64_t k, floa
     if (groups) return tile_grouped<R>(x, ldx, panels, c, prefetch, groups);
     __m256 lo[R], hi[R];
     for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
-    chain(x, ldx, panels, 0, k, k, prefetch, lo, hi);
+    chain(x, ldx, panels, 0, k, prefetch, lo, hi);
     for (int r = 0; r < R; ++r) {
       _mm256_storeu_ps(c + r * kPanel, lo[r]);
       _mm256_storeu_ps(c + r * kPanel + 8, hi[r]);
@@ -414,7 +417,7 @@ void column_range(const float* x, int64_t ldx, const W* wp, const float* scales,
     const int64_t tile_rows = (m1 - m0 + tiles - 1) / tiles;
     for (int64_t m = m0; m < m1; m += tile_rows) {
       const int64_t rows = std::min<int64_t>(tile_rows, m1 - m);
-      const Prefetch pf = prefetch_share(next, next_bytes, (m - m0) / tile_rows, tiles);
+      const Prefetch pf = prefetch_share(next, next_bytes, (m - m0) / tile_rows, tiles, k);
       const Groups g = groups.at(m, p);
       if (wide != nullptr) tile_group(panels, rows, x + m * ldx, ldx, wide, wide_stride, k, c, pf, g);
       else tile_group(panels, rows, x + m * ldx, ldx, w, panel_stride, k, c, pf, g);
