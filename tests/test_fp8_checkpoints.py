@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from test_engine_vs_hf import check_logprobs
-from tiny_models import build_tiny_model
+from tiny_models import build_tiny_model, transformers_on
 
 from ladle import LLM, SamplingParams
 from ladle.model.fp8 import FP8, Fp8Linear, Fp8Weight, cat_fp8
@@ -87,14 +87,6 @@ def tiny_llama(tmp_path_factory, smollm2_dir: Path) -> Path:
                             intermediate_size=256)
 
 
-def hf_on(folder: Path, weights: dict[str, torch.Tensor]):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    model.load_state_dict(weights, strict=False)
-    return model
-
-
 PARAMS = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=3, prompt_logprobs=1)
 
 
@@ -125,8 +117,9 @@ def test_fp8_checkpoint_matches_transformers_on_its_dequantised_weights(tiny_lla
     if fmt == "hf-tensor":  # its static scales: dropped, and said so
         assert "16 static activation and KV scales dropped" in caplog.text
     assert llm.engine.runtime_info()["weights"] == "float"
-    assert torch.equal(llm.engine.runner.model.layers[0].o_proj.weight, dequant["model.layers.0.self_attn.o_proj.weight"])
-    hf = hf_on(tiny_llama, dequant)
+    o_proj = llm.engine.runner.model.layers[0].o_proj
+    assert torch.equal(o_proj.weight, dequant["model.layers.0.self_attn.o_proj.weight"])
+    hf = transformers_on(tiny_llama, dequant)
     for res in llm.generate(PROMPTS, PARAMS):
         assert check_logprobs(res, hf, 3) < 2e-4, fmt
 
@@ -136,7 +129,8 @@ def test_quantization_fp8_keeps_a_per_channel_checkpoints_values(tiny_llama: Pat
     write_checkpoint(tiny_llama, folder, "ct-channel")
     stored = load_file(folder / "model.safetensors")
     fp8, floats = LLM(str(folder), quantization="fp8", dtype="float32"), LLM(str(folder), dtype="float32")
-    assert fp8.engine.runtime_info()["weights"] == "fp8 e4m3 per row (checkpoint) + fp8 e4m3 per row (quantised at load)"
+    weights = fp8.engine.runtime_info()["weights"]
+    assert weights == "fp8 e4m3 per row (checkpoint) + fp8 e4m3 per row (quantised at load)"  # the float LM head
     down = fp8.engine.runner.model.layers[1].down  # the checkpoint's bytes and scales, not quantised again
     assert isinstance(down, Fp8Linear) and down.source == "checkpoint"
     name = "model.layers.1.mlp.down_proj"

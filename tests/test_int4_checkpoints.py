@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from test_engine_vs_hf import check_logprobs
-from tiny_models import build_tiny_model
+from tiny_models import build_tiny_model, transformers_on
 
 from ladle import LLM, SamplingParams
 from ladle.model.quantization import Int8Linear
@@ -115,14 +115,6 @@ def tiny_llama(tmp_path_factory, smollm2_dir: Path) -> Path:
                             intermediate_size=256)
 
 
-def hf_on(folder: Path, weights: dict[str, torch.Tensor]):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    model.load_state_dict(weights, strict=False)
-    return model
-
-
 CASES = {
     "gptq-sym": dict(method="gptq", sym=True),
     "gptq-asym-v2": dict(method="gptq", v2=True),
@@ -143,7 +135,7 @@ def test_4bit_checkpoint_matches_transformers_on_its_dequantised_weights(tiny_ll
     assert all(lin._int8_panels.dtype == torch.uint8 for lin in layers)  # two 4-bit values to a byte:
     # half a byte per weight, and a float32 scale and minimum per 32 (1.25 bytes held as int8)
     assert sum(lin.nbytes for lin in layers) < 0.8 * sum(lin.in_features * lin.out_features for lin in layers)
-    hf = hf_on(tiny_llama, dequant)
+    hf = transformers_on(tiny_llama, dequant)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=3, prompt_logprobs=1)
     for res in llm.generate(PROMPTS, params):
         assert check_logprobs(res, hf, 3) < 2e-4, case
@@ -153,7 +145,7 @@ def test_act_order_gptq_is_served_as_float_with_the_same_weights(tiny_llama: Pat
     dequant = write_checkpoint(tiny_llama, tmp_path / "act", "gptq", act_order=True)
     llm = LLM(str(tmp_path / "act"), dtype="float32")
     assert llm.engine.runtime_info()["weights"] == "float"
-    hf = hf_on(tiny_llama, dequant)
+    hf = transformers_on(tiny_llama, dequant)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=3, prompt_logprobs=1)
     for res in llm.generate(PROMPTS, params):
         assert check_logprobs(res, hf, 3) < 2e-4
@@ -251,7 +243,7 @@ def test_gptqmodels_checkpoints_serve_as_transformers_on_gptqmodels_weights(one_
     method = "AWQ" if case == "awq" else "GPTQ"
     expect = "float" if case == "gptq-act-order" else f"4-bit in groups of {GROUP} ({method}) + float"
     assert llm.engine.runtime_info()["weights"] == expect
-    hf = hf_on(one_layer_llama, reference)
+    hf = transformers_on(one_layer_llama, reference)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=3, prompt_logprobs=1)
     for res in llm.generate(PROMPTS, params):
         assert check_logprobs(res, hf, 3) < 2e-4, case

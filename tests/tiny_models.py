@@ -300,3 +300,13 @@ def _spread_router(model) -> None:
             routes = name.endswith(("gate.weight", "router.weight")) and "shared_expert_gate" not in name
             if routes and param.dim() == 2:
                 param.normal_(0, 1.0)
+
+
+def transformers_on(folder: Path, weights: dict[str, torch.Tensor]):
+    """transformers' float32 model of the checkpoint in `folder`, its weights replaced by `weights` (HF names):
+    the reference for a quantised checkpoint, run on the weights it dequantises to."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    model.load_state_dict(weights, strict=False)
+    return model

@@ -93,7 +93,8 @@ def weight_of(name: str, q: torch.Tensor, scale: torch.Tensor, block: tuple[int,
     if block is None or scale.shape == (1, 1) or scale.shape == (rows, 1):
         block = (rows // scale.shape[0], cols // scale.shape[1])
     if scale.shape != (-(-rows // block[0]), -(-cols // block[1])):
-        raise ValueError(f"{name}: scale {tuple(scale.shape)} does not fit weight {tuple(q.shape)} in blocks of {block}")
+        raise ValueError(f"{name}: scale {tuple(scale.shape)} does not fit weight {tuple(q.shape)} "
+                         f"in blocks of {block}")
     return Fp8Weight(q, scale.contiguous(), block)
 
 
