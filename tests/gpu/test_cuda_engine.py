@@ -218,14 +218,17 @@ def test_fp8_weights_follow_their_bf16_source_and_score_bit_identically(tiny_mod
     assert alone == batched == fp8.generate(PROMPTS[3], score)[0].outputs[0].label_logprobs
 
 
-def test_an_fp8_checkpoint_stays_fp8_under_auto(tiny_models, tmp_path: Path) -> None:
-    """A per-channel compressed-tensors checkpoint on an FP8 GPU: its e4m3 values as they are, no flag."""
+@pytest.mark.parametrize("fmt, source", [("ct-channel", "checkpoint"),
+                                         ("hf-block", "checkpoint, blocks re-quantised per row")])
+def test_an_fp8_checkpoint_stays_fp8_under_auto(tiny_models, tmp_path: Path, fmt: str, source: str) -> None:
+    """FP8 checkpoints on an FP8 GPU, no flag: a per-channel compressed-tensors one's e4m3 values as they are, a
+    block-scaled HF one's re-quantised per row; the first greedy tokens follow the bf16 source's."""
     from test_fp8_checkpoints import write_checkpoint
 
-    folder = tmp_path / "ct-channel"
-    write_checkpoint(tiny_models["llama"], folder, "ct-channel")
+    folder = tmp_path / fmt
+    write_checkpoint(tiny_models["llama"], folder, fmt, block=(16, 16))
     fp8, bf16 = LLM(str(folder), **ENGINE), LLM(str(tiny_models["llama"]), **ENGINE)
-    assert fp8.engine.runtime_info()["weights"].startswith("fp8 e4m3 per row (checkpoint)")
+    assert fp8.engine.runtime_info()["weights"].startswith(f"fp8 e4m3 per row ({source})")
     ours, theirs = fp8.generate(PROMPTS, GREEDY), bf16.generate(PROMPTS, GREEDY)
     assert sum(a.outputs[0].token_ids[0] == b.outputs[0].token_ids[0] for a, b in zip(ours, theirs)) >= 4
 
