@@ -4,6 +4,8 @@ against the scalar definition, on every instruction set this CPU runs (LADLE_ISA
 
 from __future__ import annotations
 
+import json
+
 from fractions import Fraction
 
 import numpy as np
@@ -165,6 +167,7 @@ def test_routes_are_measured_once_per_machine(monkeypatch: pytest.MonkeyPatch, t
     monkeypatch.delenv("LADLE_MATMUL", raising=False)
     monkeypatch.setenv("LADLE_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(routing, "_chosen", {})
+    monkeypatch.setattr(routing, "NOISY", float("inf"))  # these microsecond calls spread on a loaded machine
     native = kernels.native_kernels()
     weights = [torch.randn(80, 48), torch.randn(48, 80)]
     first = routing.choose_routing(native, weights)
@@ -181,3 +184,38 @@ def test_routes_are_measured_once_per_machine(monkeypatch: pytest.MonkeyPatch, t
     routing._chosen.clear()
     routing.choose_routing(native, weights)
     assert measured == [1]
+    kept = json.loads(path.read_text())  # routes kept by an earlier version (timed one candidate after another)
+    path.write_text(json.dumps({k: v for k, v in kept.items() if k != "version"}))
+    routing._chosen.clear()
+    routing.choose_routing(native, weights)
+    assert measured == [1, 1] and json.loads(path.read_text())["version"] == routing.ROUTES_VERSION
+
+
+def test_routes_timed_on_a_busy_machine_are_used_and_not_kept(monkeypatch: pytest.MonkeyPatch, tmp_path,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    """Timings whose rounds spread beyond NOISY (here any spread at all) serve the process, are not
+    written, and the next start measures again."""
+    from ladle.model.kernels import routing
+
+    if not loader.enabled():
+        pytest.skip("LADLE_NATIVE_KERNELS=0 in the environment")
+    monkeypatch.delenv("LADLE_MATMUL", raising=False)
+    monkeypatch.setenv("LADLE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(routing, "_chosen", {})
+    monkeypatch.setattr(routing, "NOISY", 0.5)  # a slowest round is never under half the fastest: always busy
+    native = kernels.native_kernels()
+    weights = [torch.randn(80, 48), torch.randn(48, 80)]
+    chosen = routing.choose_routing(native, weights)
+    assert len(chosen.by_rows) == len(routing.ROW_BUCKETS) and "measured once" not in chosen.measured
+    assert not routing.routes_file(native.isa, (native.isa, torch.float32, ((80, 48), (48, 80)))).exists()
+    assert "busy machine" in caplog.text
+
+
+def test_interleaved_rounds_and_what_counts_as_steady() -> None:
+    from ladle.model.kernels import routing
+
+    order = []
+    samples = routing.interleaved_seconds({"a": lambda: order.append("a"), "b": lambda: order.append("b")}, 3)
+    assert order == ["a", "b"] + ["a", "b"] * 3 and [len(t) for t in samples.values()] == [3, 3]  # warm-up, rounds
+    assert routing.is_steady({"a": [1.0, 1.2, 1.5], "b": [2.0, 2.0, 2.9]})
+    assert not routing.is_steady({"a": [1.0, 1.2, 1.5], "b": [2.0, 3.1, 2.2]})

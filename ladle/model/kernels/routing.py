@@ -19,6 +19,13 @@ ROW_BUCKETS (1, 2-4, 5-16, 17-64 rows, each timed at its largest), prompt-sized 
 PREFILL_ROWS, and each bucket gets its own winner. The choice is kept per machine, beside the
 kernels built for it (`matmul-routes/<dtype and shapes>.json`; delete it to measure again), as
 the dtype choice is: a restart computes the same way, and a second engine does not re-measure.
+
+A busy machine must not decide for a quiet one: the candidates are timed in interleaved rounds
+(each round times every candidate once, and each keeps its fastest), so a burst of load slows
+one sample of each rather than every sample of one; and where a candidate's rounds spread by more
+than NOISY (its slowest over its fastest), the machine was busy: the choice serves this process
+and is not kept, and the next start measures again. (Routes measured while a test suite loaded
+both cores once kept the torch route for 5-16 rows on an EPYC, and with it a 2x slower decode.)
 LADLE_MATMUL=DECODE:PREFILL (say `small:torch` or `canonical:canonical`) skips the
 measurement and forces a route, so tests can run every path on any machine.
 """
@@ -44,6 +51,9 @@ KERNELS = ("small", "canonical", "torch", "amx")
 ROW_BUCKETS = (1, 4, 16, 64)  # decode-sized calls: up to 1, 4, 16 and 64 rows; more is prompt-sized
 PREFILL_ROWS = 128  # a prefill chunk
 MEASURED_BYTES = 256 << 20  # weights per timed pass: more than the caches hold
+ROUNDS = 3  # timed passes per candidate, interleaved with the others'
+NOISY = 1.5  # a candidate's slowest round over its fastest beyond which the timings are not kept
+ROUTES_VERSION = 2  # kept routes of another version are measured again (1: sequential timings, kept however noisy)
 _chosen: dict[tuple, MatmulRouting] = {}
 
 
@@ -87,9 +97,18 @@ def choose_routing(native: NativeKernels | None, weights: list[torch.Tensor],
         return forced
     key = (native.isa, weights[0].dtype, tuple(tuple(w.shape) for w in weights))
     if key not in _chosen:
-        _chosen[key] = _kept(native.isa, key) or _keep(native.isa, key, _measure(native, *_measured_prefix(
-            native, weights, packed)))
+        _chosen[key] = _kept(native.isa, key) or _measure_and_keep(native, key, weights, packed)
     return _chosen[key]
+
+
+def _measure_and_keep(native: NativeKernels, key: tuple, weights: list[torch.Tensor],
+                      packed: list[torch.Tensor] | None) -> MatmulRouting:
+    routing, steady = _measure(native, *_measured_prefix(native, weights, packed))
+    if steady:
+        return _keep(native.isa, key, routing)
+    logger.warning("matmul routes measured on a busy machine (a kernel's timings spread by more than %.1fx): "
+                   "used by this process, not kept; the next start measures again", NOISY)
+    return routing
 
 
 def routes_file(isa: str, key: tuple) -> Path:
@@ -104,6 +123,8 @@ def _kept(isa: str, key: tuple) -> MatmulRouting | None:
     path = routes_file(isa, key)
     try:
         saved = json.loads(path.read_text())
+        if saved.get("version") != ROUTES_VERSION:
+            return None
         by_rows = tuple(saved["by_rows"])
         if len(by_rows) != len(ROW_BUCKETS) or not set(by_rows) | {saved["prefill"]} <= set(KERNELS):
             return None
@@ -117,8 +138,8 @@ def _keep(isa: str, key: tuple, routing: MatmulRouting) -> MatmulRouting:
 
     path = routes_file(isa, key)
     try:
-        write_atomically(path, json.dumps({"by_rows": routing.by_rows, "prefill": routing.prefill,
-                                           "measured": routing.measured}))
+        write_atomically(path, json.dumps({"version": ROUTES_VERSION, "by_rows": routing.by_rows,
+                                           "prefill": routing.prefill, "measured": routing.measured}))
     except OSError as e:  # a read-only cache: measure again next time
         logger.warning("could not keep the matmul routes in %s: %s", path, e)
     return routing
@@ -164,23 +185,51 @@ def _measured_prefix(native: NativeKernels, weights: list[torch.Tensor],
     return weights, packed[:count] if packed is not None else [native.pack_panels(w) for w in weights]
 
 
-def _measure(native: NativeKernels, weights: list[torch.Tensor], packed: list[torch.Tensor]) -> MatmulRouting:
+def _measure(native: NativeKernels, weights: list[torch.Tensor],
+             packed: list[torch.Tensor]) -> tuple[MatmulRouting, bool]:
+    """The fastest candidate per size, and whether every candidate's timings were steady (see NOISY)."""
     decode = ["canonical", "torch"] + (["small"] if weights[0].dtype == torch.float32 else []) + \
         (["amx"] if native.amx and weights[0].dtype == torch.bfloat16 else [])
     sizes = [(rows, decode) for rows in ROW_BUCKETS] + [(PREFILL_ROWS, ["canonical", "torch"])]
     timings: dict[int, dict[str, float]] = {}
+    steady = True
     for rows, names in sizes:
         inputs = {w.shape[1]: torch.randn(rows, w.shape[1], generator=torch.Generator().manual_seed(rows))
                   for w in weights}
-        timings[rows] = {}
-        for name in names:
-            calls = [_call(native, name, w, p, inputs[w.shape[1]]) for w, p in zip(weights, packed)]
-            timings[rows][name] = best_seconds(lambda: [call() for call in calls], repeats=2)
+        passes = {name: _pass(native, name, weights, packed, inputs) for name in names}
+        samples = interleaved_seconds(passes, ROUNDS)
+        timings[rows] = {name: min(times) for name, times in samples.items()}
+        steady = steady and is_steady(samples)
     best = {rows: min(timings[rows], key=timings[rows].get) for rows, _ in sizes}
     measured = "; ".join(f"{rows} rows: " + ", ".join(f"{name} {t * 1e3:.2f} ms" for name, t in sorted(ts.items()))
                          for rows, ts in timings.items())
     by_rows = tuple(best[rows] for rows in ROW_BUCKETS)
-    return MatmulRouting(best[ROW_BUCKETS[-1]], best[PREFILL_ROWS], measured, by_rows)
+    return MatmulRouting(best[ROW_BUCKETS[-1]], best[PREFILL_ROWS], measured, by_rows), steady
+
+
+def interleaved_seconds(calls: dict[str, Callable[[], object]], rounds: int) -> dict[str, list[float]]:
+    """Each call's seconds in `rounds` rounds (after a warm-up), every round timing each call once."""
+    for call in calls.values():
+        call()
+    samples: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(rounds):
+        for name, call in calls.items():
+            start = time.perf_counter()
+            call()
+            samples[name].append(time.perf_counter() - start)
+    return samples
+
+
+def is_steady(samples: dict[str, list[float]]) -> bool:
+    """Whether no candidate's slowest round took more than NOISY times its fastest."""
+    return all(max(times) <= NOISY * min(times) for times in samples.values())
+
+
+def _pass(native: NativeKernels, name: str, weights: list[torch.Tensor], packed: list[torch.Tensor],
+          inputs: dict[int, torch.Tensor]) -> Callable[[], object]:
+    """One pass of kernel `name` over the weights, each layer on its input width's rows."""
+    calls = [_call(native, name, w, p, inputs[w.shape[1]]) for w, p in zip(weights, packed)]
+    return lambda: [call() for call in calls]
 
 
 def _call(native: NativeKernels, name: str, w: torch.Tensor, packed: torch.Tensor,
