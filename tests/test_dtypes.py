@@ -126,3 +126,18 @@ def test_reduced_dtype_against_transformers_in_that_dtype(smollm2_dir: Path, dty
             agree += margin == 0
             total += 1
     assert agree / total >= MIN_TOP1_AGREEMENT
+
+
+def test_a_dtype_choice_timed_on_a_busy_machine_is_used_and_not_kept(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    from ladle.model.kernels import routing
+
+    native_kernels()  # built (or found) in the usual cache first: only the choice goes to tmp_path
+    monkeypatch.setenv("LADLE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(dtypes, "cpu_flags", lambda: {"avx512f", "avx512_bf16"})  # a CPU where auto measures
+    monkeypatch.setattr(routing, "NOISY", 0.5)  # a slowest round is never under half the fastest: always busy
+    choice = dtypes.choose_dtype("auto")
+    assert "ms in bf16 against" in choice.reason and "decided once" not in choice.reason
+    assert not dtypes.auto_choice_file().exists() and "busy machine" in caplog.text
+    monkeypatch.setattr(routing, "NOISY", float("inf"))  # steady: kept
+    assert dtypes.choose_dtype("auto").name == json.loads(dtypes.auto_choice_file().read_text())["name"]

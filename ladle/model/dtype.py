@@ -10,7 +10,9 @@ matmuls ladle would run on AVX512-BF16, and stays fp32 elsewhere.
 
 That measurement is taken once per machine and kept beside the kernels built for it: a
 restart on a busy host must not flip the dtype, and with it every probability the server
-answers (two starts of one server on one machine compute alike).
+answers (two starts of one server on one machine compute alike). Nor may a busy host decide
+for a quiet one: the two dtypes are timed in interleaved rounds, and a decision whose timings
+spread beyond the matmul routes' NOISY serves that process only and is taken again next start.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from pathlib import Path
 import torch
 
 from ladle.model.kernels.loader import build_dir, cpu_flags, native_kernels, write_atomically
-from ladle.model.kernels.routing import best_seconds
+from ladle.model.kernels.routing import ROUNDS, interleaved_seconds, is_steady
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +37,7 @@ DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 NATIVE_FLAGS = {"bfloat16": ("amx_bf16", "avx512_bf16"), "float16": ("amx_fp16", "avx512_fp16")}
 MIN_SPEEDUP = 1.2  # auto takes bf16 without AMX only if its matmuls measure at least this much faster
 SERVING_TOKENS = 256  # the measured mix: this many prompt tokens in one prefill, and as many decode steps
+DECODE_STEPS_TIMED = 16  # one-row calls per timed sample: a sample long enough to time steadily
 
 
 @dataclass(frozen=True)
@@ -85,7 +88,10 @@ def _auto_on_this_machine() -> DtypeChoice:
         return DtypeChoice(canonical_name(saved["name"]), f"{saved['reason']} (decided once: {path})")
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         pass
-    choice = _auto(cpu_flags())
+    choice, steady = _decide(cpu_flags())
+    if not steady:
+        logger.warning("the dtype choice was timed on a busy machine: used by this process, not kept")
+        return choice
     try:
         write_atomically(path, json.dumps({"name": choice.name, "reason": choice.reason}))
     except OSError as e:  # a read-only cache: decide again next time
@@ -100,22 +106,41 @@ def auto_choice_file() -> Path:
 
 
 def _auto(flags: set[str]) -> DtypeChoice:
+    return _decide(flags)[0]
+
+
+def _decide(flags: set[str]) -> tuple[DtypeChoice, bool]:
+    """`auto` for these CPU flags, and whether the timings behind it (where it took any) were steady."""
     if "amx_bf16" in flags:
-        return DtypeChoice("bfloat16", "auto: the CPU has AMX-BF16")
+        return DtypeChoice("bfloat16", "auto: the CPU has AMX-BF16"), True
     if "avx512_bf16" not in flags:
-        return DtypeChoice("float32", "auto: no native bf16 on this CPU (no AMX-BF16 or AVX512-BF16)")
-    fp32, bf16 = serving_matmul_ms(torch.float32), serving_matmul_ms(torch.bfloat16)
+        return DtypeChoice("float32", "auto: no native bf16 on this CPU (no AMX-BF16 or AVX512-BF16)"), True
+    (fp32, bf16), steady = serving_matmul_ms((torch.float32, torch.bfloat16))
     measured = (f"{SERVING_TOKENS} prefill + {SERVING_TOKENS} decode tokens through a 896x4864 matmul take "
                 f"{bf16:.1f} ms in bf16 against {fp32:.1f} in fp32")
     if fp32 >= MIN_SPEEDUP * bf16:
-        return DtypeChoice("bfloat16", f"auto: AVX512-BF16 without AMX, {measured}")
-    return DtypeChoice("float32", f"auto: AVX512-BF16 without AMX, {measured}: fp32 is as fast here")
+        return DtypeChoice("bfloat16", f"auto: AVX512-BF16 without AMX, {measured}"), steady
+    return DtypeChoice("float32", f"auto: AVX512-BF16 without AMX, {measured}: fp32 is as fast here"), steady
 
 
-def serving_matmul_ms(dtype: torch.dtype, k: int = 896, n: int = 4864) -> float:
-    """Milliseconds one linear layer spends on a prefill of SERVING_TOKENS rows plus as many
-    one-row decode steps, on the kernel ladle would use: the native canonical kernel (its
-    bf16 path widens the weights on the fly) or, without it, torch."""
+def serving_matmul_ms(dtypes: tuple[torch.dtype, ...], k: int = 896, n: int = 4864) -> tuple[tuple[float, ...], bool]:
+    """Milliseconds one linear layer spends, in each dtype, on a prefill of SERVING_TOKENS rows plus
+    as many one-row decode steps, on the kernel ladle would use: the native canonical kernel (its
+    bf16 path widens the weights on the fly) or, without it, torch. The dtypes are timed in
+    interleaved rounds; the flag says whether every timing was steady (ladle.model.kernels.routing)."""
+    calls = {}
+    for dtype in dtypes:
+        prefill, decode = _serving_calls(dtype, k, n)
+        calls[f"{dtype} prefill"], calls[f"{dtype} decode"] = prefill, decode
+    samples = interleaved_seconds(calls, ROUNDS)
+    step = {name: min(times) for name, times in samples.items()}
+    ms = tuple((step[f"{d} prefill"] + SERVING_TOKENS * step[f"{d} decode"] / DECODE_STEPS_TIMED) * 1e3
+               for d in dtypes)
+    return ms, is_steady(samples)
+
+
+def _serving_calls(dtype: torch.dtype, k: int, n: int) -> tuple:
+    """(a prefill of SERVING_TOKENS rows, DECODE_STEPS_TIMED one-row steps) through a k -> n layer in dtype."""
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(n, k, generator=gen).to(dtype)
     prefill_rows, decode_row = torch.randn(SERVING_TOKENS, k, generator=gen), torch.randn(1, k, generator=gen)
@@ -125,6 +150,4 @@ def serving_matmul_ms(dtype: torch.dtype, k: int = 896, n: int = 4864) -> float:
         run = lambda x: native.canonical_linear(x, packed, n)  # noqa: E731
     else:
         run = lambda x: torch.nn.functional.linear(x.to(dtype), w)  # noqa: E731
-    prefill = best_seconds(lambda: run(prefill_rows), 3)
-    decode = best_seconds(lambda: run(decode_row), 7)
-    return (prefill + SERVING_TOKENS * decode) * 1e3
+    return lambda: run(prefill_rows), lambda: [run(decode_row) for _ in range(DECODE_STEPS_TIMED)]
