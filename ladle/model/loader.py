@@ -104,9 +104,13 @@ def _is_mxfp4(qc: dict) -> bool:
 
 def holds_fp8_weights(folder: Path) -> bool:
     """Whether `folder` is an FP8 checkpoint (ladle.model.fp8_checkpoints), from its config.json."""
-    from ladle.model.fp8_checkpoints import is_fp8_config
+    return _is_fp8(_config(folder).get("quantization_config"))
 
-    return is_fp8_config(_config(folder).get("quantization_config"))
+
+def _is_fp8(qc: dict | None) -> bool:
+    from ladle.model.fp8_checkpoints import is_fp8_config  # here, not at the top: it imports torch
+
+    return is_fp8_config(qc)
 
 
 def holds_quantized_weights(folder: Path) -> bool:
@@ -116,7 +120,7 @@ def holds_quantized_weights(folder: Path) -> bool:
 
     qc = _config(folder).get("quantization_config")
     if qc:
-        return not _is_mxfp4(qc) and not holds_fp8_weights(folder)
+        return not _is_mxfp4(qc) and not _is_fp8(qc)
     for file in sorted(Path(folder).glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as f:
             if any(name.endswith(".qweight") for name in f.keys()):
@@ -172,7 +176,7 @@ def load_weights(folder: Path, dtype: torch.dtype | None = None,
         from ladle.model import mxfp4
 
         weights = mxfp4.read_experts(weights)
-    elif holds_fp8_weights(folder):
+    elif _is_fp8(qc):
         from ladle.model import fp8_checkpoints
 
         weights = fp8_checkpoints.read_checkpoint(weights, qc, keep_fp8, dtype or torch.float32)

@@ -34,9 +34,12 @@ def unsupported_on_cuda(config: EngineConfig) -> list[str]:
     return [what for what, on in refused.items() if on]
 
 
+FP8_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada (sm_89), Hopper and later
+
+
 def fp8_refusal(config: EngineConfig, gpu: str, capability: tuple[int, int]) -> list[str]:
     """--quantization fp8 where the GPU has no FP8 tensor cores (before sm_89: Ada, Hopper)."""
-    if config.quantization != "fp8" or capability >= (8, 9):
+    if config.quantization != "fp8" or capability >= FP8_CAPABILITY:
         return []
     return [f"--quantization fp8 on {gpu} (sm_{capability[0]}{capability[1]}: FP8 matmuls need sm_89 or later)"]
 
@@ -80,7 +83,7 @@ class CudaPlatform(Platform):
 
     @property
     def fp8_matmuls(self) -> bool:
-        return self.capability >= (8, 9)
+        return self.capability >= FP8_CAPABILITY
 
     def describe(self) -> str:
         return (f"cuda:{self.device.index} ({self.gpu_name}, {self.total_memory / 2**30:.0f} GiB, "
