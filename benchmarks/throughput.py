@@ -25,6 +25,7 @@ import json
 import random
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -121,15 +122,38 @@ def linear_classes() -> list[type]:
     return found
 
 
+@dataclass
+class StepParts:
+    """Wall time of the decode steps (every row one generated token) run while a block runs, and the
+    time spent inside them in matmuls (every linear layer's call, of any kind, lm_head included) and in
+    attention (the KV write and the attention itself)."""
+    steps: int = 0
+    step_s: float = 0.0
+    matmul_s: float = 0.0
+    attention_s: float = 0.0
+
+    def per_step_ms(self) -> dict[str, float]:
+        step, matmul, attention = (x / self.steps * 1000 for x in (self.step_s, self.matmul_s, self.attention_s))
+        return {"step_ms": step, "matmul_ms": matmul, "attention_ms": attention,
+                "rest_ms": step - matmul - attention}
+
+
+def is_decode_step(batch: list) -> bool:
+    return all(item.num_new_tokens == 1 and item.seq.num_computed_tokens >= item.seq.num_prompt_tokens
+               for item in batch)
+
+
 @contextlib.contextmanager
-def timed_parts(llm: LLM):
-    """Seconds spent in matmuls (every linear layer's call, of any kind, lm_head included) and in attention
-    (the KV write and the attention itself), summed while the block runs; the timers wrap the calls, so
-    the split is the one the model runs, not a replay of its shapes. A call inside a timed call (a
-    quantised layer falling back on its float one) counts once."""
-    spent = {"matmul": 0.0, "attention": 0.0}
+def timed_decode_steps(llm: LLM):
+    """Times each engine step, and the matmuls and attention inside it, and keeps the sums for decode steps
+    only. The timers wrap the calls, so the split is the one the model runs, not a replay of its shapes. A
+    call inside a timed call (a quantised layer falling back on its float one) counts once. Each part is
+    timed inside the step it belongs to, so no part is a difference of two runs that noise can make
+    negative."""
+    total, this_step = StepParts(), {"matmul": 0.0, "attention": 0.0, "decode": False}
     depth = {"matmul": 0, "attention": 0}
-    backend = llm.engine.runner.model.attention
+    engine, runner = llm.engine, llm.engine.runner
+    backend = runner.model.attention
 
     def timed(part: str, fn):
         def call(*a, **k):
@@ -140,40 +164,50 @@ def timed_parts(llm: LLM):
             finally:
                 depth[part] -= 1
                 if depth[part] == 0:
-                    spent[part] += time.perf_counter() - t
+                    this_step[part] += time.perf_counter() - t
         return call
+
+    def execute(batch):
+        this_step["decode"] = is_decode_step(batch)
+        return run_batch(batch)
+
+    def step():
+        this_step.update(matmul=0.0, attention=0.0, decode=False)
+        t = time.perf_counter()
+        out = engine_step()
+        if this_step["decode"]:
+            total.steps += 1
+            total.step_s += time.perf_counter() - t
+            total.matmul_s += this_step["matmul"]
+            total.attention_s += this_step["attention"]
+        return out
 
     calls = {cls: vars(cls)["__call__"] for cls in linear_classes()}
     for cls, fn in calls.items():
         cls.__call__ = timed("matmul", fn)
     backend.attend, backend.write_kv = timed("attention", backend.attend), timed("attention", backend.write_kv)
+    engine_step, run_batch = engine.step, runner.execute
+    engine.step, runner.execute = step, execute
     try:
-        yield spent
+        yield total
     finally:
         for cls, fn in calls.items():
             cls.__call__ = fn
-        del backend.attend, backend.write_kv  # the instance attributes; the class's methods show again
+        # the instance attributes go; the class's methods show again
+        del backend.attend, backend.write_kv, engine.step, runner.execute
 
 
 def decode_step_split(llm: LLM, batch: int, steps: int) -> dict[str, float]:
-    """ms per decode step at `batch` running sequences, split: the same prompts run once for their
-    first token and once for `steps` more, and the difference is `steps` decode steps."""
+    """ms per decode step at `batch` running sequences, split into matmul, attention and the rest (the
+    engine's scheduling, sampling and the model's other ops)."""
     rng = random.Random(3 + batch)
     prompts = [random_prompt_ids(rng, 32) for _ in range(batch)]
-    first = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-    more = SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True)
-    llm.generate(prompts, first)  # warm-up; the prompts' blocks stay cached for both timed runs
-    with timed_parts(llm) as short:
-        t0 = time.perf_counter()
-        llm.generate(prompts, first)
-        t1 = time.perf_counter()
-    with timed_parts(llm) as long:
-        llm.generate(prompts, more)
-        t2 = time.perf_counter()
-    step = ((t2 - t1) - (t1 - t0)) / steps * 1000
-    parts = {k: (long[k] - short[k]) / steps * 1000 for k in long}
-    return {"step_ms": step, "matmul_ms": parts["matmul"], "attention_ms": parts["attention"],
-            "rest_ms": step - parts["matmul"] - parts["attention"]}
+    llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))  # warm-up
+    with timed_decode_steps(llm) as parts:
+        llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True))
+    if parts.steps < steps:
+        raise RuntimeError(f"expected {steps} decode steps at batch {batch}, timed {parts.steps}")
+    return parts.per_step_ms()
 
 
 def print_step_split(rows: dict[int, dict[str, float]], bound_ms: float) -> None:

@@ -401,25 +401,26 @@ def test_sweep_writes_json_and_png(tmp_path: Path, capsys: pytest.CaptureFixture
     import matplotlib.image
 
     # one request at a time, 10 ms + 7 x 5 ms = 45 ms each: about 22 req/s of capacity. 40 requests a
-    # step and a 250 ms TTFT target, so that one stall of this VM (a few hundred ms, seen in CI) spoils
-    # too few requests to move the knee, while past capacity the queue still grows well beyond it. The
-    # first step, at 16 req/s, is under capacity (one at 8 req/s only took 5 s longer to say so).
+    # step and a 250 ms TTFT target. The first step, at 8 req/s, uses a third of the capacity, so that a
+    # stall of this VM under the loaded suite (600 ms, seen in CI) spoils too few requests to move the knee:
+    # a first step at 16 req/s, three quarters of the capacity, drained the queue a stall left too slowly,
+    # and lost two thirds of its requests to it. Past capacity the queue still grows well beyond 250 ms.
     app = FakeOpenAI(ttft=0.01, itl=0.005, capacity=1)
     with serve(app) as url:
         rc = ladle_main(["bench", "sweep", "--base-url", url, "--model", "fake-model", "--num-prompts", "40",
-                         "--random-input-len", "16", "--random-output-len", "8", "--loads", "16,32,64,128",
+                         "--random-input-len", "16", "--random-output-len", "8", "--loads", "8,16,32,64,128",
                          "--burstiness", "50", "--goodput", "ttft:250", "tpot:50", "--result-dir", str(tmp_path),
                          "--result-filename", "sweep.json", "--disable-tqdm"])
     assert rc == 0
     sweep = json.loads((tmp_path / "sweep.json").read_text())
     steps = sweep["steps"]
-    assert 2 <= len(steps) <= 4 and [s["load"] for s in steps] == [16, 32, 64, 128][: len(steps)]
+    assert 3 <= len(steps) <= 5 and [s["load"] for s in steps] == [8, 16, 32, 64, 128][: len(steps)]
     for s in steps:
         assert s["request_goodput"] <= s["request_throughput"] + 1e-9
         assert {"p99_ttft_ms", "p99_tpot_ms", "request_rate", "tracks_offered_load"} <= s.keys()
     peak = max(s["request_goodput"] for s in steps)
     assert steps[-1]["request_goodput"] < 0.5 * peak and "peak" in sweep["stop_reason"]
-    assert sweep["knee"] is not None and sweep["knee"]["load"] in (16, 32)
+    assert sweep["knee"] is not None and sweep["knee"]["load"] in (8, 16)
     assert sweep["knee"]["load"] < steps[-1]["load"]
     assert sweep["provenance"]["target_version"] == {"version": "fake-1.0"}
     assert "knee: rate" in capsys.readouterr().out
