@@ -89,3 +89,19 @@ def test_deterministic_generation_ignores_batch_neighbours(smollm2_dir: Path) ->
     batched = llm.generate(others[:1] + [prompt] + others[1:], params)[1].outputs[0]
     assert batched.token_ids == alone.token_ids
     assert [lp.logprob for lp in batched.logprobs] == [lp.logprob for lp in alone.logprobs]
+
+
+def test_a_chat_prefilled_beside_a_scoring_request_samples_from_its_own_row(smollm2_dir: Path, text: str) -> None:
+    """A scoring request's row comes first in the step, so the chat's row is not the step's first: the
+    chat still samples from its own."""
+    llm = LLM(str(smollm2_dir), kv_cache_memory_gib=0.5)
+    labels = [llm.tokenizer.encode(x)[0] for x in ("A", "B")]
+    chat, params = "The capital of France is", SamplingParams(temperature=0.0, max_tokens=4, logprobs=1)
+    alone = llm.generate([chat], params)[0].outputs[0]
+    llm.engine.reset_prefix_cache()
+    steps_before = llm.engine.stats.steps
+    beside = llm.generate([question(llm, text, 0), chat], [SamplingParams(label_token_ids=labels), params])
+    assert llm.engine.stats.steps - steps_before == 4  # both prompts in the first step
+    assert beside[1].outputs[0].token_ids == alone.token_ids
+    assert [lp.logprob for lp in beside[1].outputs[0].logprobs] == pytest.approx([lp.logprob for lp in alone.logprobs],
+                                                                                abs=1e-4)

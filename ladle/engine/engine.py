@@ -500,7 +500,8 @@ class LLMEngine:
             self._record_prompt_logprobs(seq, first, rows)
         rows = [i for i, s in enumerate(logits.sample_seqs) if not s.params.is_scoring]
         scored = [i for i, s in enumerate(logits.sample_seqs) if s.params.is_scoring]
-        sampled = self.sampler(logits.sample_logits[rows], [logits.sample_seqs[i] for i in rows]) if rows else []
+        sampled = self.sampler(self._rows_of(logits.sample_logits, rows), [logits.sample_seqs[i] for i in rows]) \
+            if rows else []
         done_at = time.time()
         deltas: dict[str, list[CompletionDelta]] = {}
         for i, (token, lp) in zip(rows, sampled):
@@ -516,6 +517,12 @@ class LLMEngine:
         self.stats.steps += 1
         self.stats.generation_tokens += len(sampled) + sum(len(emitted) for _, emitted in verified)
         return handed_over + [self._request_output(rid, d) for rid, d in deltas.items()]
+
+    @staticmethod
+    def _rows_of(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """logits[rows], without copying [rows, vocab] when the rows are all of them (no scoring request
+        in the step): on the CPU that copy took a decode step at batch 256 longer than its sampling."""
+        return logits if rows == list(range(len(logits))) else logits[rows]
 
     def _handed_over_outputs(self) -> list[StepOutput]:
         """The first tokens of requests that started on handed-over K/V (and were not aborted since)."""

@@ -44,7 +44,7 @@ import torch
 
 from ladle.model import kernels
 from ladle.model.kernels.native import DOT_BLOCK, exactly_fp16
-from ladle.model.kernels.routing import MatmulRouting, best_seconds
+from ladle.model.kernels.routing import ROUNDS, MatmulRouting, interleaved_seconds
 from ladle.model.fp8 import Fp8Linear, Fp8Weight, cat_fp8
 from ladle.model.layers import Linear
 
@@ -274,8 +274,10 @@ def choose_prefill_route(linears: list[Int8Linear]) -> MatmulRouting:
         return MatmulRouting("canonical", "canonical", "no int8 layers to time")
     x = torch.randn(PREFILL_TIMING_ROWS, max(lin.in_features for lin in linears), generator=torch.Generator().manual_seed(0))
     rows = {lin.in_features: x[:, : lin.in_features] for lin in linears}
-    kernel = best_seconds(lambda: [lin._kernel_matmul(rows[lin.in_features]) for lin in linears], 2)
-    widened = best_seconds(lambda: [lin._widened_matmul(rows[lin.in_features]) for lin in linears], 2)
+    samples = interleaved_seconds({"kernel": lambda: [lin._kernel_matmul(rows[lin.in_features]) for lin in linears],
+                                   "widened": lambda: [lin._widened_matmul(rows[lin.in_features]) for lin in linears]},
+                                  ROUNDS)  # in rounds, so that a burst of another process's work slows both
+    kernel, widened = min(samples["kernel"]), min(samples["widened"])
     measured = (f"{PREFILL_TIMING_ROWS} rows through a layer's quantised weights: their kernel {kernel * 1e3:.1f} ms, "
                 f"widened slices on torch {widened * 1e3:.1f} ms")
     return MatmulRouting("canonical", "canonical" if kernel < widened else "torch", measured)
