@@ -124,6 +124,13 @@ class EngineConfig:
             raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
                              f"block_size ({self.block_size})")
 
+    @property
+    def decode_graph_rows(self) -> int:
+        """Rows of the largest decode step a graph replays: max_num_seqs decodes, or more where speculative
+        verification computes more (each sequence's last token and its drafts)."""
+        spec = self.speculative_config
+        return max(self.max_num_seqs, spec.verify_rows(self.max_num_seqs)) if spec is not None else self.max_num_seqs
+
     def _check_device(self) -> None:
         for name, value, allowed in (("device", self.device, DEVICES),
                                      ("attention_backend", self.attention_backend, ATTENTION_BACKENDS),

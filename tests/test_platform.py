@@ -10,7 +10,7 @@ from ladle.engine.cuda_graphs import StaticInputs, capture_sizes, padded_size
 from ladle.model.config import ModelConfig
 from ladle.platform import CpuPlatform, cuda_probe, resolve_platform
 from ladle.platform.cuda import unsupported_on_cuda
-from ladle.platform.memory import KVBudget, sampler_reserve
+from ladle.platform.memory import GRAPH_RESERVE, KVBudget, graph_reserve, sampler_reserve
 
 GIB = 2**30
 
@@ -58,6 +58,17 @@ def test_the_kv_budget_is_the_share_left_after_weights_activations_and_reserve()
     assert "GiB for KV" in budget.describe()
     with pytest.raises(ValueError, match="--gpu-memory-utilization 0.1 leaves no room"):
         KVBudget(140 * GIB, 0.1, 17 * GIB, 2 * GIB, 0).num_blocks(per_block)
+
+
+def test_graphs_hold_the_rows_of_the_largest_verification_step() -> None:
+    """Each sequence's last token and its drafts: 4 tokens up to a quarter of disable_by_batch_size, 2
+    (half of 3, and the token) up to a half, the token and one draft below it, nothing drafted from it on."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": 64}
+    assert EngineConfig(max_num_seqs=256).decode_graph_rows == 256
+    assert EngineConfig(max_num_seqs=8, speculative_config=spec).decode_graph_rows == 32
+    assert EngineConfig(max_num_seqs=24, speculative_config=spec).decode_graph_rows == 64  # 16 x 4 beats 24 x 2
+    assert EngineConfig(max_num_seqs=256, speculative_config=spec).decode_graph_rows == 256  # 63 x 2 = 126 fewer
+    assert graph_reserve(8, 32, 1000) == GRAPH_RESERVE + 24 * 1000 * 4
 
 
 def test_capture_sizes_follow_the_ladder_up_to_max_num_seqs() -> None:

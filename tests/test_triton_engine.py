@@ -108,3 +108,27 @@ def test_decode_graph_bookkeeping_gives_the_eager_steps_results(model) -> None:
     results = llm.generate(PROMPTS[:3], GREEDY)  # three sequences: padded to the graph of 4
     assert runner.graphs.replays == MAX_TOKENS - 1
     assert_matches_transformers(results, hf_model)
+
+
+def test_verification_steps_replay_as_decode_rows(model) -> None:
+    """Speculative verification through the decode graphs, each drafted token a decode row of its own:
+    greedy output stays transformers' (speculation stays lossless), and every step after the prompts'
+    is a replay, drafts verified in them."""
+    folder, hf_model = model
+    # the model drafts for itself, so drafts are kept and the rows after them count (a random model
+    # repeats nothing for a lookup to find)
+    spec = {"method": "draft_model", "model": str(folder), "num_speculative_tokens": 3, "disable_by_batch_size": 8}
+    llm = LLM(str(folder), speculative_config=spec, **TRITON)
+    assert llm.engine.config.decode_graph_rows == 14  # 7 sequences with a draft each; 2 with 3 take 8
+    runner = llm.engine.runner
+    runner.graphs = DecodeGraphs(runner.model, llm.engine.config.decode_graph_rows,
+                                 -(-llm.engine.max_model_len // 8) + 1, runner.device, capture=eager_capture)
+    runner.graphs.capture()
+    assert sorted(runner.graphs.steps) == [1, 2, 4, 8, 14]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0)
+    steps_before = llm.engine.stats.steps
+    results = llm.generate(PROMPTS[2:], params)
+    stats = llm.engine.stats.spec
+    assert stats.num_accepted_tokens > stats.num_drafts > 0, stats
+    assert runner.graphs.replays == llm.engine.stats.steps - steps_before - 1
+    assert_matches_transformers(results, hf_model)

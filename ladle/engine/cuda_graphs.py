@@ -8,7 +8,9 @@ context 0: nothing attended, an output of 0). A graph reads its inputs from stat
 refilled before each replay by two host-to-device copies (the per-row scalars, then the block
 tables' first rows), and writes its logits into a static buffer.
 
-Only decodes of generated tokens are captured (the runner decides): prefill chunks, drafts,
+Only steps over generated tokens are replayed (the runner decides): decodes, and speculative
+verification, whose every drafted token is a decode row of its own (its sequence's block table, a
+context ending at its position), so one graph of that many rows computes it. Prefill chunks,
 adapters and prompt logprobs run eagerly. The attention backend supplies the step's static
 metadata (`static_decode`: its kernels' scratch preallocated, the split count fixed per size),
 so numerics never depend on host values baked in at capture.
@@ -28,10 +30,10 @@ Replay = Callable[[], None]
 Capture = Callable[[Callable[[], torch.Tensor]], tuple[Replay, torch.Tensor]]
 
 
-def capture_sizes(max_num_seqs: int) -> list[int]:
-    """1, 2, 4, then steps of 8 to 256 and of 16 beyond (as vLLM), up to max_num_seqs (capped at 512),
+def capture_sizes(max_rows: int) -> list[int]:
+    """1, 2, 4, then steps of 8 to 256 and of 16 beyond (as vLLM), up to max_rows (capped at 512),
     which is always included."""
-    top = min(max_num_seqs, MAX_CAPTURED)
+    top = min(max_rows, MAX_CAPTURED)
     ladder = [1, 2, 4, *range(8, 257, 8), *range(272, MAX_CAPTURED + 1, 16)]
     return sorted({s for s in ladder if s < top} | {top})
 
@@ -83,12 +85,12 @@ class StaticInputs:
 
 
 class DecodeGraphs:
-    def __init__(self, model, max_num_seqs: int, max_blocks_per_seq: int, device: torch.device,
+    def __init__(self, model, max_rows: int, max_blocks_per_seq: int, device: torch.device,
                  capture: Capture | None = None):
         """model: a LlamaForCausalLM whose attention backend offers `static_decode`; capture: how a step
         is recorded (default: CUDA graphs; tests on the CPU pass an eager stand-in)."""
         self.model = model
-        self.sizes = capture_sizes(max_num_seqs)
+        self.sizes = capture_sizes(max_rows)
         self.inputs = StaticInputs.allocate(self.sizes[-1], max_blocks_per_seq, device)
         self._capture = capture or CudaGraphCapture(device)
         self.steps: dict[int, tuple[Replay, torch.Tensor]] = {}

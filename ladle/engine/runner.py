@@ -84,11 +84,12 @@ class ModelRunner:
         self.kv_cache = self._new_kv_cache(num_blocks)
         self.model.attention = self._attention_backend()
 
-    def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
-        """Capture decode steps of up to max_num_seqs sequences as CUDA graphs, replayed from then on."""
+    def capture_decode_graphs(self, max_rows: int, max_model_len: int) -> None:
+        """Capture decode steps of up to max_rows rows (sequences, or a verification step's tokens) as CUDA
+        graphs, replayed from then on."""
         from ladle.engine.cuda_graphs import DecodeGraphs
 
-        self.graphs = DecodeGraphs(self.model, max_num_seqs, -(-max_model_len // self.block_size) + 1, self.device)
+        self.graphs = DecodeGraphs(self.model, max_rows, -(-max_model_len // self.block_size) + 1, self.device)
         self.graphs.capture()
 
     def profile_forward(self, num_tokens: int, max_len: int, num_rows: int) -> None:
@@ -193,21 +194,41 @@ class ModelRunner:
         return torch.tensor(values, dtype=torch.int64).to(self.device, non_blocking=True)
 
     def _replayable(self, batch: list[ScheduledSeq]) -> bool:
-        """Whether a captured decode graph computes this step: plain decodes of generated tokens only
-        (no adapters, no drafts, no prompt rows wanting logprobs or hidden states), and few enough."""
-        return (all(self._is_decode(item) and item.seq.num_computed_tokens >= item.seq.num_prompt_tokens
-                    and item.seq.lora is None for item in batch)
-                and self.graphs.fits(len(batch), max(len(item.seq.block_table) for item in batch)))
+        """Whether a captured decode graph computes this step: every row the token at a generated position
+        or a draft after it (no adapters, no prompt rows wanting logprobs or hidden states, nothing
+        canonical), and few enough rows."""
+        return (all(item.seq.num_computed_tokens >= item.seq.num_prompt_tokens and not item.seq.canonical
+                    and item.seq.lora is None and item.num_new_tokens == 1 + len(item.seq.draft_token_ids)
+                    for item in batch)
+                and self.graphs.fits(sum(item.num_new_tokens for item in batch),
+                                     max(len(item.seq.block_table) for item in batch)))
 
     def _replay_decode(self, batch: list[ScheduledSeq]) -> StepLogits:
+        """One replay for the step. A verification step's sequence takes one row per token it computes
+        (its last token, then each draft), each a decode row of its own: the same block table, a
+        context ending at that row's position. Its K/V is written before any row attends, so each draft
+        row sees the drafts before it, as the eager step's causal attention over the chunk does."""
         bs = self.block_size
-        seqs = [item.seq for item in batch]
-        positions = [seq.num_computed_tokens for seq in seqs]
-        logits = self.graphs.replay(
-            tokens=[seq.token_ids[p] for seq, p in zip(seqs, positions)], positions=positions,
-            slots=[seq.block_table[p // bs] * bs + p % bs for seq, p in zip(seqs, positions)],
-            block_tables=[attended_table(seq) for seq in seqs], context_lens=[p + 1 for p in positions])
-        return StepLogits(seqs, logits, [], [])
+        tokens, positions, slots, tables = [], [], [], []
+        for item in batch:
+            seq, start, n = item.seq, item.seq.num_computed_tokens, item.num_new_tokens
+            tokens += (seq.token_ids[start:] + seq.draft_token_ids)[:n]
+            positions += range(start, start + n)
+            slots += [seq.block_table[p // bs] * bs + p % bs for p in range(start, start + n)]
+            tables += [attended_table(seq)] * n
+        logits = self.graphs.replay(tokens=tokens, positions=positions, slots=slots, block_tables=tables,
+                                    context_lens=[p + 1 for p in positions])
+        if len(tokens) == len(batch):  # no drafts: one row a sequence, in order
+            return StepLogits([item.seq for item in batch], logits, [], [])
+        sample_seqs, sample_rows, draft_rows, row = [], [], [], 0
+        for item in batch:
+            if item.seq.draft_token_ids:
+                draft_rows.append((item.seq, logits[row : row + item.num_new_tokens]))
+            else:
+                sample_seqs.append(item.seq)
+                sample_rows.append(row)
+            row += item.num_new_tokens
+        return StepLogits(sample_seqs, logits[sample_rows], [], draft_rows)
 
     def _kept_states(self, batch: list[ScheduledSeq]) -> tuple[KeptStates | None, list[tuple[Sequence, int, int]]]:
         """The rows whose hidden states sequences asked for (their last prompt row, or for mean

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ladle.platform.base import Platform
-from ladle.platform.memory import GRAPH_RESERVE, KVBudget, sampler_reserve
+from ladle.platform.memory import KVBudget, graph_reserve, sampler_reserve
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -121,5 +121,6 @@ class CudaPlatform(Platform):
         peak = torch.cuda.max_memory_allocated(self.device) - before
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
-        reserve = sampler_reserve(config.max_num_seqs, vocab_size) + (0 if config.enforce_eager else GRAPH_RESERVE)
+        graphs = 0 if config.enforce_eager else graph_reserve(config.max_num_seqs, config.decode_graph_rows, vocab_size)
+        reserve = sampler_reserve(config.max_num_seqs, vocab_size) + graphs
         return KVBudget(total, config.gpu_memory_utilization, total - free, peak, reserve)

@@ -44,3 +44,8 @@ class KVBudget:
 
 def sampler_reserve(max_num_seqs: int, vocab_size: int) -> int:
     return SAMPLER_COPIES * max_num_seqs * vocab_size * 4
+
+
+def graph_reserve(max_num_seqs: int, graph_rows: int, vocab_size: int) -> int:
+    """GRAPH_RESERVE, and the float32 logits of the verification graphs' rows beyond max_num_seqs."""
+    return GRAPH_RESERVE + 4 * (graph_rows - max_num_seqs) * vocab_size

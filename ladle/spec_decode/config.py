@@ -48,6 +48,11 @@ class SpeculativeConfig:
             raise ValueError(f"--speculative-config: unknown key(s) {unknown}; known: {sorted(known)}")
         return cls(**data)
 
+    def verify_rows(self, max_num_seqs: int) -> int:
+        """The most rows a verification step computes (each sequence's last token and its drafts), over
+        every batch size up to max_num_seqs."""
+        return max(b * (1 + self.tokens_at(b)) for b in range(1, max_num_seqs + 1))
+
     def tokens_at(self, batch_size: int) -> int:
         """Draft length when `batch_size` sequences decode together: all of num_speculative_tokens up
         to a quarter of disable_by_batch_size, half of them up to a half, one token below it, none

@@ -157,10 +157,15 @@ def test_8bit_kv_caches_match_transformers(kv: str, tiny_models, hf_models) -> N
     assert compared >= len(PROMPTS) * MAX_TOKENS // 2
 
 
-def test_speculative_ngram_keeps_greedy_output(tiny_models) -> None:
+@pytest.mark.parametrize("method", ["ngram", "early_exit"])
+def test_speculation_keeps_greedy_output(method: str, tiny_models) -> None:
     plain = LLM(str(tiny_models["llama"]), **ENGINE).generate(PROMPTS, GREEDY)
-    spec = LLM(str(tiny_models["llama"]), speculative_config={"method": "ngram", "num_speculative_tokens": 3},
-               **ENGINE).generate(PROMPTS, GREEDY)
+    llm = LLM(str(tiny_models["llama"]), speculative_config={"method": method, "num_speculative_tokens": 3,
+                                                             "disable_by_batch_size": 32}, **ENGINE)
+    spec = llm.generate(PROMPTS, GREEDY)
+    if method == "early_exit":  # it drafts every step: its verification steps are replayed graphs
+        assert llm.engine.stats.spec.num_draft_tokens > llm.engine.stats.spec.num_drafts > 0
+        assert llm.engine.runner.graphs.replays >= MAX_TOKENS // 2
     for a, b in zip(plain, spec):
         n = next((i for i, (x, y) in enumerate(zip(a.outputs[0].token_ids, b.outputs[0].token_ids)) if x != y),
                  MAX_TOKENS)
