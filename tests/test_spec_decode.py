@@ -17,9 +17,12 @@ from test_sampling_semantics import P_MIN, chi_square_p, ref_logits
 
 from ladle import LLM, SamplingParams
 from ladle.config import EngineConfig
+from ladle.engine.request import Sequence
+from ladle.engine.sampler import Sampler
 from ladle.llm import GenerationResult
 from ladle.spec_decode.config import SpeculativeConfig
 from ladle.spec_decode.ngram import propose
+from ladle.spec_decode.verify import verify_all
 
 pytestmark = pytest.mark.isa  # results depend on the instruction set: make test-avx2 runs these again
 
@@ -99,8 +102,10 @@ def test_the_load_aware_policy_shrinks_then_stops() -> None:
 def test_greedy_output_is_unchanged(smollm2_dir: Path, tiny_draft: Path, baseline: Baseline, engine_args: dict,
                                     method) -> None:
     greedy = [SamplingParams(temperature=0.0, max_tokens=32, logprobs=2), SamplingParams(temperature=0.0, max_tokens=24),
-              SamplingParams(temperature=0.0, max_tokens=24, stop=["."]), SamplingParams(temperature=0.0, max_tokens=40),
-              SamplingParams(temperature=0.0, max_tokens=40)]
+              SamplingParams(temperature=0.0, max_tokens=24, stop=["."]),
+              # penalties and min_tokens read the tokens before each row, drafts included
+              SamplingParams(temperature=0.0, max_tokens=40, repetition_penalty=1.2, frequency_penalty=0.4),
+              SamplingParams(temperature=0.0, max_tokens=40, presence_penalty=0.5, min_tokens=36)]
     spec = LLM(str(smollm2_dir), speculative_config=spec_config(method, tiny_draft), **engine_args)
     want = baseline(PROMPTS, greedy, **engine_args)
     got = spec.generate(PROMPTS, greedy)
@@ -148,10 +153,12 @@ def test_prefix_cache_holds_only_verified_tokens(smollm2_dir: Path, tiny_draft: 
     assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
 
 
-def test_sampled_tokens_keep_the_targets_distribution(tiny: Tiny) -> None:
-    """Thousands of seeded samples through drafts that are often kept, each token against
-    softmax(z / T) of transformers' float64 logits: the second token (the verification step's first
-    row) and the third (its second row, reached only when the draft was kept)."""
+@pytest.mark.parametrize("seeded", [True, False], ids=["seeded", "unseeded"])
+def test_sampled_tokens_keep_the_targets_distribution(tiny: Tiny, seeded: bool) -> None:
+    """Thousands of samples through drafts that are often kept, each token against softmax(z / T) of
+    transformers' float64 logits: the second token (the verification step's first row) and the third
+    (its second row, reached only when the draft was kept). Seeded rows are verified row by row,
+    unseeded ones all at once."""
     folder, hf = tiny
     temperature = 0.5
     filler = [20, 21, 22, 23, 24]
@@ -176,8 +183,8 @@ def test_sampled_tokens_keep_the_targets_distribution(tiny: Tiny) -> None:
     llm = LLM(str(folder), dtype="float32", max_num_seqs=256, max_num_batched_tokens=4096, num_kv_blocks=1100,
               speculative_config={"method": "ngram", "num_speculative_tokens": 1, "disable_by_batch_size": 10**6})
     n = 4000
-    results = llm.generate([prompt] * n, [SamplingParams(temperature=temperature, seed=s, max_tokens=3)
-                                          for s in range(n)])
+    results = llm.generate([prompt] * n, [SamplingParams(temperature=temperature, seed=s if seeded else None,
+                                                         max_tokens=3) for s in range(n)])
     tokens = torch.tensor([(r.outputs[0].token_ids + [-1, -1])[:3] for r in results])  # -1: after an EOS
 
     def check(rows: torch.Tensor, position: int, context_ids: list[int]) -> None:
@@ -309,3 +316,31 @@ def test_the_model_itself_as_draft_model_keeps_every_draft(smollm2_dir: Path, ba
     stats = llm.engine.stats.spec
     assert stats.num_accepted_tokens >= 0.97 * stats.num_draft_tokens > 0
     assert llm.engine.proposer.draft_model.kv.num_free_blocks == llm.engine.proposer.draft_model.kv.num_blocks  # released at the finish
+
+
+def test_rows_verified_at_once_see_the_drafts_before_them() -> None:
+    """A frequency penalty counts the drafts before a row. Row 1 favours token 3 again (4.0 against
+    token 5's 2.5) but, token 3 drafted once before it, pays 2.0 for it and picks 5: so draft 1 is
+    rejected there, as a run without speculation, having emitted 3, would pick 5 next. Both rows went
+    through the sampler in one call."""
+    params = SamplingParams(temperature=0.0, frequency_penalty=2.0, max_tokens=8)
+    seq = Sequence(seq_id=0, request_id="r", index=0, token_ids=[1, 2], num_prompt_tokens=2, params=params,
+                   arrival_time=0.0)
+    rows = torch.full((3, 8), -1.0)
+    rows[0, 3] = 4.0
+    rows[1, 3], rows[1, 5] = 4.0, 2.5
+    rows[2, 6] = 4.0
+    calls = []
+
+    def sample(logits: torch.Tensor, seqs: list) -> list:
+        calls.append(len(seqs))
+        return Sampler()(logits, seqs)
+
+    assert [t for t, _ in verify_all([(rows, seq, [3, 3])], sample)[0]] == [3, 5]
+    assert calls == [3] and seq.token_ids == [1, 2]
+    seeded = Sequence(seq_id=1, request_id="s", index=0, token_ids=[1, 2], num_prompt_tokens=2, arrival_time=0.0,
+                      params=SamplingParams(temperature=0.7, seed=1, max_tokens=8))
+    seeded.generator = torch.Generator().manual_seed(1)
+    calls.clear()
+    verify_all([(rows, seeded, [3, 3])], sample)  # a seeded row draws once per emitted token: row by row
+    assert all(n == 1 for n in calls)

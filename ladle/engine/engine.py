@@ -47,7 +47,7 @@ from ladle.reasoning.budget import PROMPT_TAIL_TOKENS, ReasoningSpec
 from ladle.reasoning.parser import tags_for
 from ladle.spec_decode.proposer import Proposer
 from ladle.spec_decode.stats import SpecDecodeStats
-from ladle.spec_decode.verify import verify
+from ladle.spec_decode.verify import verify_all
 from ladle.structured.grammar import GrammarCompiler
 from ladle.structured.matcher import GrammarState
 
@@ -561,20 +561,18 @@ class LLMEngine:
         if not draft_rows:
             return []
         items = {item.seq.seq_id: item for item in plan.scheduled}
-        verified = []
+        jobs = []
         for seq, rows in draft_rows:
-            drafts, seq.draft_token_ids = seq.draft_token_ids, []
-            emitted = verify(rows, seq, drafts, self._sample_row)
+            jobs.append((rows, seq, seq.draft_token_ids))
+            seq.draft_token_ids = []
+        verified = []
+        for (_, seq, drafts), emitted in zip(jobs, verify_all(jobs, self.sampler)):
             kept = len(emitted) - 1
             items[seq.seq_id].num_new_tokens = 1 + kept
             seq.token_ids.extend(token for token, _ in emitted[:kept])  # so their blocks cache as they are
             self.stats.spec.record(len(drafts), kept)
             verified.append((seq, emitted))
         return verified
-
-    def _sample_row(self, row: torch.Tensor, seq: Sequence) -> tuple[int, TokenLogprob | None]:
-        """One verification row through the sampler, as a batch of one (grammar mask, logprobs)."""
-        return self.sampler(row[None], [seq])[0]
 
     def _append_verified(self, seq: Sequence, emitted: list, now: float) -> CompletionDelta:
         """The kept drafts and the drawn token, through the same checks as any sampled token (stop
