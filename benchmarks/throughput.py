@@ -7,9 +7,10 @@
   prefill  8 prompts x 512 tokens, one output token: prompt tok/s against the GEMM roof
            (torch's matmul FLOP/s in that dtype over the model's FLOPs per token)
   decode   batch-1 ms/token against the memory-bandwidth bound for that dtype's weight bytes
-  steps    a decode step at batch 1, 8 and 16 split into matmul / attention / the rest, each step
-           against the bandwidth bound (every weight byte read once per step), beside the matmul
-           route per row bucket the start-up measurement chose
+  steps    a decode step at batch 1, 8 and 16 (greedy), and at 16 sampled at temperature 0.8 and
+           top-p 0.95, split into matmul / attention / the rest, each step against the bandwidth
+           bound (every weight byte read once per step), beside the matmul route per row bucket the
+           start-up measurement chose
 
 Each dtype of --dtype runs all cases (transformers in the same dtype).
 
@@ -197,14 +198,18 @@ def timed_decode_steps(llm: LLM):
         del backend.attend, backend.write_kv, engine.step, runner.execute
 
 
-def decode_step_split(llm: LLM, batch: int, steps: int) -> dict[str, float]:
+SAMPLED = dict(temperature=0.8, top_p=0.95)  # a chat client's settings, beside greedy
+
+
+def decode_step_split(llm: LLM, batch: int, steps: int, sampled: bool = False) -> dict[str, float]:
     """ms per decode step at `batch` running sequences, split into matmul, attention and the rest (the
-    engine's scheduling, sampling and the model's other ops)."""
+    engine's scheduling, sampling and the model's other ops); greedy, or sampled with SAMPLED."""
     rng = random.Random(3 + batch)
     prompts = [random_prompt_ids(rng, 32) for _ in range(batch)]
-    llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))  # warm-up
+    how = dict(SAMPLED, seed=0) if sampled else dict(temperature=0.0)
+    llm.generate(prompts, SamplingParams(max_tokens=2, ignore_eos=True, **how))  # warm-up
     with timed_decode_steps(llm) as parts:
-        llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True))
+        llm.generate(prompts, SamplingParams(max_tokens=steps + 1, ignore_eos=True, **how))
     if parts.steps < steps:
         raise RuntimeError(f"expected {steps} decode steps at batch {batch}, timed {parts.steps}")
     return parts.per_step_ms()
@@ -284,12 +289,13 @@ def run_dtype(dtype: str, args: argparse.Namespace, cases: list[str]) -> dict:
         wb = weight_bytes_per_token(llm)
         bound_ms = wb / (bw * 1e9) * 1000
         rows = {}
-        for batch in STEP_BATCHES:
-            r = decode_step_split(llm, batch, 4 if args.quick else 64)
+        for batch, sampled in [(b, False) for b in STEP_BATCHES] + [(STEP_BATCHES[-1], True)]:
+            r = decode_step_split(llm, batch, 4 if args.quick else 64, sampled)
             r["non_matmul_pct"] = 100 * (r["step_ms"] - r["matmul_ms"]) / r["step_ms"]
             r["bound_ratio"] = r["step_ms"] / bound_ms
-            rows[batch] = r
-            print(f"  batch {batch}: {r['step_ms']:.1f} ms/step", flush=True)
+            label = f"{batch} sampled" if sampled else str(batch)
+            rows[label] = r
+            print(f"  batch {label}: {r['step_ms']:.1f} ms/step", flush=True)
         print(f"  bandwidth bound: {wb / 1e6:.0f} MB of weights / {bw:.1f} GB/s = {bound_ms:.1f} ms per step\n")
         print_step_split(rows, bound_ms)
         report["steps"] = {"route": routing.table(), "measured": routing.measured, "bound_ms": bound_ms,

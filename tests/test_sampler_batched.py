@@ -170,9 +170,15 @@ def test_each_row_of_a_mixed_batch_gives_what_it_gives_alone() -> None:
             assert [step[i] for step in together] == [step[0] for step in alone], f"row {i}"
 
 
-def test_a_mixed_batch_follows_the_reference() -> None:
+# top_p's nucleus looked for among each row's 4 or 16 likeliest tokens first (rows whose nucleus is
+# longer sorted whole), or every row sorted whole
+TOP_P_HEADS = [None, 4, 16]
+
+
+@pytest.mark.parametrize("head", TOP_P_HEADS)
+def test_a_mixed_batch_follows_the_reference(head: int | None) -> None:
     z = mixed_logits()
-    for i, (row, (token, lp)) in enumerate(zip(MIXED, sample(MIXED, z)[0])):
+    for i, (row, (token, lp)) in enumerate(zip(MIXED, sample(MIXED, z, sampler=Sampler(0, head))[0])):
         ref = reference_logits(z[i], row.params, row.output, row.allowed)
         if row.forced is not None:
             assert token == row.forced
@@ -229,15 +235,16 @@ def filter_cases() -> dict[str, SamplingParams]:
             "hot_all_three": SP(temperature=1.6, min_p=0.2, top_k=12, top_p=0.7)}
 
 
+@pytest.mark.parametrize("head", TOP_P_HEADS)
 @pytest.mark.parametrize("case", ["top_k", "top_p", "min_p", "min_p_then_top_p", "all_three", "hot_all_three"])
-def test_filters_keep_exactly_the_reference_tokens(case: str) -> None:
+def test_filters_keep_exactly_the_reference_tokens(case: str, head: int | None) -> None:
     """Unseeded rows, one shared draw: the sampled tokens are the reference's, in its proportions."""
     params, z = filter_cases()[case], filter_logits()
     ref = reference_probs(z, params)
     allowed = set(ref.nonzero().flatten().tolist())
     assert 4 <= len(allowed) <= 12 and ref[list(allowed)].min() > 0.02
     n = 3000
-    tokens = [t for t, _ in sample([Row(params)] * n, z.expand(n, V))[0]]
+    tokens = [t for t, _ in sample([Row(params)] * n, z.expand(n, V), sampler=Sampler(0, head))[0]]
     counts = torch.bincount(torch.tensor(tokens), minlength=V)
     assert set(tokens) == allowed
     assert chi_square_p(counts, ref) > P_MIN

@@ -22,6 +22,7 @@ class Platform(ABC):
     device: torch.device
     attention: str  # the attention backend's name: torch or triton
     default_kv_cache_gib: float | None = None  # the pool without --kv-cache-memory-gib; None: measured
+    top_p_head: int | None = None  # top_p's first look at each row's likeliest tokens (sampler.outside_nucleus)
 
     @abstractmethod
     def check(self, config: EngineConfig) -> None:

@@ -22,6 +22,7 @@ class CpuPlatform(Platform):
     name = "cpu"
     device = torch.device("cpu")
     default_kv_cache_gib = CPU_KV_CACHE_GIB
+    top_p_head = 1024  # sorting a whole vocabulary row takes the CPU tens of ms
 
     def __init__(self, attention_backend: str = "auto"):
         self.attention = "torch" if attention_backend == "auto" else attention_backend
