@@ -152,9 +152,11 @@ def penalise(logits: torch.Tensor, s: BatchSettings) -> torch.Tensor:
     return torch.where(dead[:, None], logits, x)
 
 
-def filtered(x: torch.Tensor, s: BatchSettings, top_p_head: int | None = None) -> torch.Tensor:
-    """vLLM V1's order: temperature, min_p over the whole vocabulary, top_k, then top_p over what
-    is left (so with min_p, top_p's mass is counted among the tokens min_p kept)."""
+def distribution(x: torch.Tensor, s: BatchSettings, top_p_head: int | None = None) -> torch.Tensor:
+    """What sampled rows draw from, in vLLM V1's order: temperature, min_p over the whole vocabulary,
+    top_k, then top_p over what is left (so with min_p, top_p's mass is counted among the tokens
+    min_p kept). Probabilities, left unnormalised where top_p drops tokens (the draw scales by each
+    row's total)."""
     x = x / s.temperature[:, None]
     if s.any_min_p:
         probs = x.softmax(-1)
@@ -163,9 +165,10 @@ def filtered(x: torch.Tensor, s: BatchSettings, top_p_head: int | None = None) -
         kth = x.topk(s.max_top_k, dim=-1).values.gather(1, (s.top_k.clamp(min=1) - 1)[:, None])
         kth = kth.masked_fill(s.top_k[:, None] == 0, NEG_INF)  # nothing is below -inf
         x = x.masked_fill(x < kth, NEG_INF)
+    probs = x.softmax(-1)
     if s.any_top_p:
-        x = x.masked_fill(outside_nucleus(x.softmax(-1), s.top_p, top_p_head), NEG_INF)
-    return x
+        probs = probs.masked_fill(outside_nucleus(probs, s.top_p, top_p_head), 0.0)
+    return probs
 
 
 def outside_nucleus(probs: torch.Tensor, top_p: torch.Tensor, head: int | None) -> torch.Tensor:
@@ -209,27 +212,27 @@ class Sampler:
         x = penalise(logits, settings)
         tokens = x.argmax(-1)
         if settings.seeded or settings.unseeded:
-            drawn = self._draw(filtered(x, settings, self.top_p_head), seqs, settings)
+            drawn = self._draw(distribution(x, settings, self.top_p_head), seqs, settings)
             tokens = torch.where(settings.greedy, tokens, drawn)
         tokens = torch.where(settings.forced >= 0, settings.forced, tokens)
         return _to_host(tokens, logits, [s.params.logprobs for s in seqs])
 
-    def _draw(self, x: torch.Tensor, seqs: list[Sequence], s: BatchSettings) -> torch.Tensor:
-        """A token per row from softmax(x), where its CDF first passes one uniform draw: the shared
+    def _draw(self, probs: torch.Tensor, seqs: list[Sequence], s: BatchSettings) -> torch.Tensor:
+        """A token per row of `probs`, where its CDF first passes one uniform draw: the shared
         generator's for unseeded rows, each seeded row's own (the same draw a batch of one makes, so
         a seeded row ignores its neighbours). One random number a row, where a race of exponentials
         takes one per vocabulary entry: on the CPU that took a third of a sampled decode step at batch
         16 of a 152k vocabulary. The CDF is summed in float64, so a token's share of [0, 1) is its
         probability to float32's precision, and a token of probability 0 owns none of it."""
-        cdf = x.softmax(-1).double().cumsum(-1)  # (cumsum(dtype=float64) is several times slower on the CPU)
-        u = torch.empty(len(seqs), 1, dtype=torch.float64, device=x.device)
+        cdf = probs.double().cumsum(-1)  # (cumsum(dtype=float64) is several times slower on the CPU)
+        u = torch.empty(len(seqs), 1, dtype=torch.float64, device=probs.device)
         if s.unseeded:
-            u.uniform_(generator=self._shared(x.device))
+            u.uniform_(generator=self._shared(probs.device))
         for i in s.seeded:
-            u[i] = torch.rand(1, dtype=torch.float64, device=x.device, generator=seqs[i].generator)
+            u[i] = torch.rand(1, dtype=torch.float64, device=probs.device, generator=seqs[i].generator)
         total = cdf[:, -1:]
         point = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))  # below the last step
-        return torch.searchsorted(cdf, point, right=True)[:, 0]
+        return torch.searchsorted(cdf, point, right=True)[:, 0].clamp_(max=probs.shape[-1] - 1)
 
     def _shared(self, device: torch.device) -> torch.Generator:
         if self.shared_generator is None or self.shared_generator.device != device:
