@@ -134,8 +134,7 @@ class LLMEngine:
             raise ValueError("speculative decoding on M-RoPE models (Qwen2.5-VL) is not supported yet")
         self.proposer = Proposer(spec, self.runner, self.kv, c.num_hidden_layers, c.vocab_size, self.dtype.dtype,
                                  num_blocks, config.block_size) if spec is not None else None
-        # the states are not graphed, nor M-RoPE's positions; after the proposer, which may ask the
-        # forward to keep its hidden states (MTP)
+        # the states are not graphed, nor M-RoPE's positions
         if self.platform.graphs and not config.enforce_eager and states is None and not c.mrope_section:
             self.runner.capture_decode_graphs(config.decode_graph_rows, self.max_model_len)
         self.requests: dict[str, list[Sequence]] = {}

@@ -214,15 +214,13 @@ class DeepseekV3ForCausalLM:
     def keep_hidden(self, num_blocks: int, block_size: int) -> None:
         """From now on every full forward keeps each token's final hidden state by its cache slot (the MTP
         drafter reads the states of positions computed in earlier steps, prompts' included)."""
-        # one row more, for the padded rows of a replayed decode graph (slot -1) to write into
-        self.hidden_cache = torch.zeros(num_blocks * block_size + 1, self.cfg.hidden_size, dtype=self.embed.dtype,
+        self.hidden_cache = torch.zeros(num_blocks * block_size, self.cfg.hidden_size, dtype=self.embed.dtype,
                                         device=self.embed.device)
         self._hidden_block_size = block_size
 
     def _keep_hidden(self, x: torch.Tensor, meta: AttentionMetadata) -> None:
         """x's rows into their slots, then the step's in-step copies (as the K/V's)."""
-        slots = meta.slot_mapping
-        self.hidden_cache.index_copy_(0, torch.where(slots < 0, self.hidden_cache.shape[0] - 1, slots), x)
+        self.hidden_cache.index_copy_(0, meta.slot_mapping, x)
         bs = self._hidden_block_size
         for src, dst, n in meta.in_step_copies:
             self.hidden_cache[dst * bs : dst * bs + n] = self.hidden_cache[src * bs : src * bs + n]
