@@ -522,7 +522,7 @@ class LLMEngine:
     def _rows_of(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
         """logits[rows], without copying [rows, vocab] when the rows are all of them (no scoring request
         in the step): on the CPU that copy took a decode step at batch 256 longer than its sampling."""
-        return logits if rows == list(range(len(logits))) else logits[rows]
+        return logits if len(rows) == len(logits) else logits[rows]  # rows: ascending, so all of them
 
     def _handed_over_outputs(self) -> list[StepOutput]:
         """The first tokens of requests that started on handed-over K/V (and were not aborted since)."""

@@ -146,14 +146,7 @@ class ModelRunner:
         batch = sorted(batch, key=lambda s: not self._is_decode(s))  # decodes first
         if self.graphs is not None and self._replayable(batch):
             return self._replay_decode(batch)
-        input_ids, positions, slots = [], [], []
-        for item in batch:
-            seq, start = item.seq, item.seq.num_computed_tokens
-            pos = range(start, start + item.num_new_tokens)
-            input_ids.extend((seq.token_ids[start:] + seq.draft_token_ids)[: item.num_new_tokens])
-            positions.extend(pos)
-            table = seq.block_table
-            slots.extend(table[p // self.block_size] * self.block_size + p % self.block_size for p in pos)
+        input_ids, positions, slots = self._token_rows(batch)
         meta = self._metadata(batch, self._tensor(slots))
         keep, owners = self._kept_states(batch)
         lora = self._lora_batch([(item.seq, item.num_new_tokens) for item in batch])
@@ -166,6 +159,19 @@ class ModelRunner:
         if keep is not None:
             self._pool_kept_states(keep, owners)
         return self._logits(batch, hidden, meta.batch_invariant)
+
+    def _token_rows(self, batch: list[ScheduledSeq]) -> tuple[list[int], list[int], list[int]]:
+        """The step's rows, sequence by sequence: each token it computes (drafts after its last token),
+        its position and its K/V slot."""
+        bs = self.block_size
+        input_ids, positions, slots = [], [], []
+        for item in batch:
+            seq, start = item.seq, item.seq.num_computed_tokens
+            pos = range(start, start + item.num_new_tokens)
+            input_ids.extend((seq.token_ids[start:] + seq.draft_token_ids)[: item.num_new_tokens])
+            positions.extend(pos)
+            slots.extend(seq.block_table[p // bs] * bs + p % bs for p in pos)
+        return input_ids, positions, slots
 
     def _image_embeds(self, batch: list[ScheduledSeq]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """The forward's input_embeds: the rows of this step's image placeholders and their embeddings,
@@ -208,14 +214,8 @@ class ModelRunner:
         (its last token, then each draft), each a decode row of its own: the same block table, a
         context ending at that row's position. Its K/V is written before any row attends, so each draft
         row sees the drafts before it, as the eager step's causal attention over the chunk does."""
-        bs = self.block_size
-        tokens, positions, slots, tables = [], [], [], []
-        for item in batch:
-            seq, start, n = item.seq, item.seq.num_computed_tokens, item.num_new_tokens
-            tokens += (seq.token_ids[start:] + seq.draft_token_ids)[:n]
-            positions += range(start, start + n)
-            slots += [seq.block_table[p // bs] * bs + p % bs for p in range(start, start + n)]
-            tables += [attended_table(seq)] * n
+        tokens, positions, slots = self._token_rows(batch)
+        tables = [table for item in batch for table in [attended_table(item.seq)] * item.num_new_tokens]
         logits = self.graphs.replay(tokens=tokens, positions=positions, slots=slots, block_tables=tables,
                                     context_lens=[p + 1 for p in positions])
         if len(tokens) == len(batch):  # no drafts: one row a sequence, in order
