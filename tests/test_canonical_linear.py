@@ -56,7 +56,7 @@ def test_matches_float64_and_is_row_invariant(isa_kernels, shape, dtype) -> None
     y = isa_kernels.canonical_linear(x, packed, n, b)
     ref = x.double() @ w.double().T + b.double()
     assert ((y.double() - ref).abs().max() / ref.abs().max()).item() < 1e-5
-    for rows in (1, 2, 5, 12, 13, 25, 40):  # every tile tail and more than one row block
+    for rows in (1, 2, 3, 5, 12, 13, 25, 40):  # every tile shape and tail, more than one row block
         assert torch.equal(isa_kernels.canonical_linear(x[:rows], packed, n, b), y[:rows]), rows
     for row in (0, 17):  # a row alone, out of place
         assert torch.equal(isa_kernels.canonical_linear(x[row : row + 1], packed, n, b), y[row : row + 1])

@@ -66,7 +66,7 @@ def test_grouped_kernel_matches_float64_and_is_row_invariant(isa_kernels, shape,
     y = isa_kernels.canonical_linear(x, packed, n, b, groups=groups)
     ref = x.double() @ w.dequantize(torch.float64).T + b.double()
     assert ((y.double() - ref).abs().max() / ref.abs().max()).item() < 1e-5
-    for rows in (1, 2, 5, 12, 13, 25, 40):
+    for rows in (1, 2, 3, 5, 12, 13, 25, 40):
         assert torch.equal(isa_kernels.canonical_linear(x[:rows], packed, n, b, groups=groups), y[:rows]), rows
     with pytest.raises(ValueError, match="tile"):
         isa_kernels.canonical_linear(x, packed, n, b, groups=(48, groups[1], groups[2]))

@@ -129,7 +129,7 @@ def test_int8_fma_kernel_serves_inputs_off_the_block_size(isa_kernels, shape) ->
     y = isa_kernels.canonical_linear(x, packed, n, b, scales)
     ref = x.double() @ dequantize_int8(q, scales).double().T + b.double()
     assert ((y.double() - ref).abs().max() / ref.abs().max()).item() < 1e-5
-    for rows in (1, 2, 5, 12, 13, 25, 40):
+    for rows in (1, 2, 3, 5, 12, 13, 25, 40):
         assert torch.equal(isa_kernels.canonical_linear(x[:rows], packed, n, b, scales), y[:rows]), rows
     with pytest.raises(ValueError, match="scales"):
         isa_kernels.canonical_linear(x, packed, n, b)

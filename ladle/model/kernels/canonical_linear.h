@@ -236,40 +236,50 @@ void tile(const float* x, int64_t ldx, const W* panels, int64_t panel_stride, in
 constexpr int kTileRows = 6;  // 6 rows x 2 ymm (one panel) = 12 accumulators
 constexpr int kTilePanels = 1;
 
-// lo[r], hi[r] continue their FMA chains over inputs [begin, end): R rows x one panel.
-template <int R, typename W>
-inline void chain(const float* x, int64_t ldx, const W* panels, int64_t begin, int64_t end, Prefetch prefetch,
-                  __m256 (&lo)[R], __m256 (&hi)[R]) {
+// lo[r][p], hi[r][p] continue their FMA chains over inputs [begin, end): R rows x P panels.
+template <int R, int P, typename W>
+inline void chain(const float* x, int64_t ldx, const W* panels, int64_t panel_stride, int64_t begin, int64_t end,
+                  Prefetch prefetch, __m256 (&lo)[R][P], __m256 (&hi)[R][P]) {
   if constexpr (kFourBit<W>) {  // two inputs per byte: each pair's bytes widened once
     const __m256i nibble = _mm256_set1_epi32(15);
     for (int64_t i = begin; i < end; i += 2) {
       prefetch.step(i);
       prefetch.step(i + 1);
-      const auto* b = reinterpret_cast<const __m128i*>(panels + i / 2 * kPanel);
-      const __m256i dl = _mm256_cvtepu8_epi32(_mm_loadl_epi64(b));
-      const __m256i dh = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(
-          reinterpret_cast<const char*>(b) + 8)));
-      for (int half = 0; half < 2; ++half) {
-        const __m256 wl = _mm256_cvtepi32_ps(half ? _mm256_srli_epi32(dl, 4) : _mm256_and_si256(dl, nibble));
-        const __m256 wh = _mm256_cvtepi32_ps(half ? _mm256_srli_epi32(dh, 4) : _mm256_and_si256(dh, nibble));
-        for (int r = 0; r < R; ++r) {
-          const __m256 xv = _mm256_broadcast_ss(x + r * ldx + i + half);
-          lo[r] = _mm256_fmadd_ps(xv, wl, lo[r]);
-          hi[r] = _mm256_fmadd_ps(xv, wh, hi[r]);
+      for (int p = 0; p < P; ++p) {
+        const auto* b = reinterpret_cast<const char*>(panels + p * panel_stride + i / 2 * kPanel);
+        const __m256i dl = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b)));
+        const __m256i dh = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 8)));
+        for (int half = 0; half < 2; ++half) {
+          const __m256 wl = _mm256_cvtepi32_ps(half ? _mm256_srli_epi32(dl, 4) : _mm256_and_si256(dl, nibble));
+          const __m256 wh = _mm256_cvtepi32_ps(half ? _mm256_srli_epi32(dh, 4) : _mm256_and_si256(dh, nibble));
+          for (int r = 0; r < R; ++r) {
+            const __m256 xv = _mm256_broadcast_ss(x + r * ldx + i + half);
+            lo[r][p] = _mm256_fmadd_ps(xv, wl, lo[r][p]);
+            hi[r][p] = _mm256_fmadd_ps(xv, wh, hi[r][p]);
+          }
         }
       }
     }
   } else {
     for (int64_t i = begin; i < end; ++i) {
       prefetch.step(i);
-      const __m256 wl = load8(panels + i * kPanel), wh = load8(panels + i * kPanel + 8);
-      for (int r = 0; r < R; ++r) {
-        const __m256 xv = _mm256_broadcast_ss(x + r * ldx + i);
-        lo[r] = _mm256_fmadd_ps(xv, wl, lo[r]);
-        hi[r] = _mm256_fmadd_ps(xv, wh, hi[r]);
+      for (int p = 0; p < P; ++p) {
+        const W* w = panels + p * panel_stride + i * kPanel;
+        const __m256 wl = load8(w), wh = load8(w + 8);
+        for (int r = 0; r < R; ++r) {
+          const __m256 xv = _mm256_broadcast_ss(x + r * ldx + i);
+          lo[r][p] = _mm256_fmadd_ps(xv, wl, lo[r][p]);
+          hi[r][p] = _mm256_fmadd_ps(xv, wh, hi[r][p]);
+        }
       }
     }
   }
+}
+
+template <int R, int P>
+inline void zero(__m256 (&lo)[R][P], __m256 (&hi)[R][P]) {
+  for (int r = 0; r < R; ++r)
+    for (int p = 0; p < P; ++p) lo[r][p] = hi[r][p] = _mm256_setzero_ps();
 }
 
 // 8 scales or minimums from `at`, widened exactly if fp16.
@@ -278,45 +288,49 @@ inline __m256 load_params(const Groups& groups, const void* params, int64_t at) 
   return _mm256_loadu_ps(static_cast<const float*>(params) + at);
 }
 
-template <int R, typename W>
-void tile_grouped(const float* x, int64_t ldx, const W* panels, float* c, Prefetch prefetch, Groups groups) {
-  for (int i = 0; i < R * kPanel; ++i) c[i] = 0.0f;
+template <int R, int P, typename W>
+void tile_grouped(const float* x, int64_t ldx, const W* panels, int64_t panel_stride, float* c, Prefetch prefetch,
+                  Groups groups) {
+  for (int i = 0; i < R * P * kPanel; ++i) c[i] = 0.0f;
   for (int64_t g = 0; g < groups.count; ++g) {
-    __m256 lo[R], hi[R];
-    for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
-    chain(x, ldx, panels, g * groups.size, (g + 1) * groups.size, prefetch, lo, hi);
-    const int64_t at = g * kPanel;
-    const __m256 scale_lo = load_params(groups, groups.scales, at), scale_hi = load_params(groups, groups.scales, at + 8);
-    for (int r = 0; r < R; ++r) {
-      float* sums = c + r * kPanel;
-      __m256 a = _mm256_fmadd_ps(lo[r], scale_lo, _mm256_loadu_ps(sums));
-      __m256 b = _mm256_fmadd_ps(hi[r], scale_hi, _mm256_loadu_ps(sums + 8));
-      if (groups.mins) {
-        const __m256 xs = _mm256_set1_ps(groups.xsums[r * groups.count + g]);
-        a = _mm256_fmadd_ps(xs, load_params(groups, groups.mins, at), a);
-        b = _mm256_fmadd_ps(xs, load_params(groups, groups.mins, at + 8), b);
+    __m256 lo[R][P], hi[R][P];
+    zero(lo, hi);
+    chain(x, ldx, panels, panel_stride, g * groups.size, (g + 1) * groups.size, prefetch, lo, hi);
+    for (int p = 0; p < P; ++p) {
+      const int64_t at = (p * groups.count + g) * kPanel;
+      const __m256 scale_lo = load_params(groups, groups.scales, at);
+      const __m256 scale_hi = load_params(groups, groups.scales, at + 8);
+      for (int r = 0; r < R; ++r) {
+        float* sums = c + r * P * kPanel + p * kPanel;
+        __m256 a = _mm256_fmadd_ps(lo[r][p], scale_lo, _mm256_loadu_ps(sums));
+        __m256 b = _mm256_fmadd_ps(hi[r][p], scale_hi, _mm256_loadu_ps(sums + 8));
+        if (groups.mins) {
+          const __m256 xs = _mm256_set1_ps(groups.xsums[r * groups.count + g]);
+          a = _mm256_fmadd_ps(xs, load_params(groups, groups.mins, at), a);
+          b = _mm256_fmadd_ps(xs, load_params(groups, groups.mins, at + 8), b);
+        }
+        _mm256_storeu_ps(sums, a);
+        _mm256_storeu_ps(sums + 8, b);
       }
-      _mm256_storeu_ps(sums, a);
-      _mm256_storeu_ps(sums + 8, b);
     }
   }
 }
 
 template <int R, int P, typename W>
-void tile(const float* x, int64_t ldx, const W* panels, int64_t, int64_t k, float* c, Prefetch prefetch,
+void tile(const float* x, int64_t ldx, const W* panels, int64_t panel_stride, int64_t k, float* c, Prefetch prefetch,
           Groups groups) {
-  static_assert(P == 1, "AVX2 tiles are one panel wide");
   if constexpr (kFourBit<W>) {
-    tile_grouped<R>(x, ldx, panels, c, prefetch, groups);
+    tile_grouped<R, P>(x, ldx, panels, panel_stride, c, prefetch, groups);
   } else {
-    if (groups) return tile_grouped<R>(x, ldx, panels, c, prefetch, groups);
-    __m256 lo[R], hi[R];
-    for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
-    chain(x, ldx, panels, 0, k, prefetch, lo, hi);
-    for (int r = 0; r < R; ++r) {
-      _mm256_storeu_ps(c + r * kPanel, lo[r]);
-      _mm256_storeu_ps(c + r * kPanel + 8, hi[r]);
-    }
+    if (groups) return tile_grouped<R, P>(x, ldx, panels, panel_stride, c, prefetch, groups);
+    __m256 lo[R][P], hi[R][P];
+    zero(lo, hi);
+    chain(x, ldx, panels, panel_stride, 0, k, prefetch, lo, hi);
+    for (int r = 0; r < R; ++r)
+      for (int p = 0; p < P; ++p) {
+        _mm256_storeu_ps(c + r * P * kPanel + p * kPanel, lo[r][p]);
+        _mm256_storeu_ps(c + r * P * kPanel + p * kPanel + 8, hi[r][p]);
+      }
   }
 }
 #else
@@ -341,24 +355,35 @@ void tile_rows(int64_t rows, const float* x, int64_t ldx, const W* panels, int64
 }
 
 
-// Panels per tile for a row range: a decode step's one or two rows get 8 panels on AVX-512, so
-// 8 or 16 FMA chains run at once instead of 2 or 4 (one chain per row and panel, each FMA
-// waiting on the last: with few rows, the chains' latency, not memory, would bound int8 weights).
-// Which outputs share a tile never changes an output's own chain.
+// Panels per tile for a row range: few rows get wide tiles, so enough FMA chains run at once to
+// cover an FMA's latency (one chain per row and panel half, each FMA waiting on the last: with a
+// decode step's one or two rows on one panel, the chains' latency, not memory, bounds quantised
+// weights). AVX-512: 1-2 rows x 8 panels, 8-16 chains of 32 zmm. AVX2 (16 ymm): 1 row x 4 panels
+// or 2 rows x 2 panels, 8 chains. Which outputs share a tile never changes an output's own chain.
 #if defined(__AVX512F__)
 constexpr int kWidePanels = 8;
 constexpr int64_t kFewRows = 2;
+constexpr int kMidPanels = kTilePanels;
+constexpr int64_t kMidRows = 0;
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+constexpr int kWidePanels = 4;
+constexpr int64_t kFewRows = 1;
+constexpr int kMidPanels = 2;
+constexpr int64_t kMidRows = 2;
 #else
 constexpr int kWidePanels = kTilePanels;
 constexpr int64_t kFewRows = 0;
+constexpr int kMidPanels = kTilePanels;
+constexpr int64_t kMidRows = 0;
 #endif
 
 inline int64_t group_width(int64_t rows, int64_t p, int64_t end_panel) {
   if (rows <= kFewRows && p + kWidePanels <= end_panel) return kWidePanels;
+  if (rows <= kMidRows && p + kMidPanels <= end_panel) return kMidPanels;
   return std::min<int64_t>(kTilePanels, end_panel - p);
 }
 
-// One tile of `rows` rows and `panels` panels (kWidePanels, kTilePanels or 1).
+// One tile of `rows` rows and `panels` panels (kWidePanels, kMidPanels, kTilePanels or 1).
 template <typename W>
 void tile_group(int64_t panels, int64_t rows, const float* x, int64_t ldx, const W* w, int64_t panel_stride,
                 int64_t k, float* c, Prefetch pf, Groups groups) {
@@ -366,9 +391,17 @@ void tile_group(int64_t panels, int64_t rows, const float* x, int64_t ldx, const
     if (panels == kWidePanels)
       return tile_rows<kWidePanels, W, kFewRows>(rows, x, ldx, w, panel_stride, k, c, pf, groups);
   }
+  if constexpr (kMidPanels != kTilePanels) {
+    if (panels == kMidPanels)
+      return tile_rows<kMidPanels, W, kMidRows>(rows, x, ldx, w, panel_stride, k, c, pf, groups);
+  }
   if (panels == kTilePanels) tile_rows<kTilePanels>(rows, x, ldx, w, panel_stride, k, c, pf, groups);
   else if (panels == 1) tile_rows<1>(rows, x, ldx, w, panel_stride, k, c, pf, groups);
 }
+
+// The largest tile's outputs: c's size.
+constexpr int64_t kTileOutputs =
+    std::max<int64_t>({int64_t{kTileRows} * kTilePanels, kFewRows * kWidePanels, kMidRows * kMidPanels}) * kPanel;
 
 // `panels` panels of k int8 or 4-bit weights as float panels, in a buffer of this thread's that
 // lives until its next call.
@@ -393,8 +426,7 @@ void column_range(const float* x, int64_t ldx, const W* wp, const float* scales,
                   float* y, int64_t ldy, int64_t m0, int64_t m1, int64_t k, int64_t n, int64_t first_panel,
                   int64_t end_panel) {
   const int64_t panel_stride = panel_elements<W>(k), wide_stride = k * kPanel;
-  alignas(64) float c[kTileRows * kTilePanels * kPanel > kFewRows * kWidePanels * kPanel
-                          ? kTileRows * kTilePanels * kPanel : kFewRows * kWidePanels * kPanel];
+  alignas(64) float c[kTileOutputs];
   for (int64_t p = first_panel; p < end_panel;) {
     const int64_t panels = group_width(m1 - m0, p, end_panel);
     const W* w = wp + p * panel_stride;
