@@ -20,6 +20,7 @@ from sampling_refs import chi_square_p, min_p_keeping, top_p_keeping
 from ladle.engine.request import Sequence
 from ladle.engine.sampler import Sampler, token_logprob, top_logprobs
 from ladle.engine.sampling_params import SamplingParams
+from ladle.model import kernels
 
 V = 40  # two bitmask words, the second one partly used
 EOS, STOP = V - 1, 30
@@ -170,15 +171,36 @@ def test_each_row_of_a_mixed_batch_gives_what_it_gives_alone() -> None:
             assert [step[i] for step in together] == [step[0] for step in alone], f"row {i}"
 
 
-# top_p's nucleus looked for among each row's 4 or 16 likeliest tokens first (rows whose nucleus is
-# longer sorted whole), or every row sorted whole
-TOP_P_HEADS = [None, 4, 16]
+# how top_p's nucleus is found: every row sorted whole; looked for among each row's 4 or 16 likeliest
+# tokens first (rows whose nucleus is longer sorted whole); or the CPU's native kernel (no sort)
+NUCLEUS = ["sorted", "head-4", "head-16", "native"]
 
 
-@pytest.mark.parametrize("head", TOP_P_HEADS)
-def test_a_mixed_batch_follows_the_reference(head: int | None) -> None:
+def nucleus_sampler(how: str) -> Sampler:
+    if how == "native":
+        native = kernels.native_kernels()
+        if native is None:
+            pytest.skip("LADLE_NATIVE_KERNELS=0 in the environment")
+        return Sampler(0, keep_nucleus=native.keep_nucleus)
+    return Sampler(0, None if how == "sorted" else int(how.split("-")[1]))
+
+
+def sorted_nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The reference: a row's tokens by descending probability (ties by token id) in float64, each kept
+    while the mass before it is at most top_p."""
+    p = probs.double()
+    order = sorted(range(len(p)), key=lambda t: (-float(p[t]), t))
+    before, keep = 0.0, torch.zeros(len(p), dtype=torch.bool)
+    for t in order:
+        keep[t] = before <= top_p
+        before += float(p[t])
+    return keep
+
+
+@pytest.mark.parametrize("nucleus", NUCLEUS)
+def test_a_mixed_batch_follows_the_reference(nucleus: str) -> None:
     z = mixed_logits()
-    for i, (row, (token, lp)) in enumerate(zip(MIXED, sample(MIXED, z, sampler=Sampler(0, head))[0])):
+    for i, (row, (token, lp)) in enumerate(zip(MIXED, sample(MIXED, z, sampler=nucleus_sampler(nucleus))[0])):
         ref = reference_logits(z[i], row.params, row.output, row.allowed)
         if row.forced is not None:
             assert token == row.forced
@@ -235,19 +257,56 @@ def filter_cases() -> dict[str, SamplingParams]:
             "hot_all_three": SP(temperature=1.6, min_p=0.2, top_k=12, top_p=0.7)}
 
 
-@pytest.mark.parametrize("head", TOP_P_HEADS)
+@pytest.mark.parametrize("nucleus", NUCLEUS)
 @pytest.mark.parametrize("case", ["top_k", "top_p", "min_p", "min_p_then_top_p", "all_three", "hot_all_three"])
-def test_filters_keep_exactly_the_reference_tokens(case: str, head: int | None) -> None:
+def test_filters_keep_exactly_the_reference_tokens(case: str, nucleus: str) -> None:
     """Unseeded rows, one shared draw: the sampled tokens are the reference's, in its proportions."""
     params, z = filter_cases()[case], filter_logits()
     ref = reference_probs(z, params)
     allowed = set(ref.nonzero().flatten().tolist())
     assert 4 <= len(allowed) <= 12 and ref[list(allowed)].min() > 0.02
     n = 3000
-    tokens = [t for t, _ in sample([Row(params)] * n, z.expand(n, V), sampler=Sampler(0, head))[0]]
+    tokens = [t for t, _ in sample([Row(params)] * n, z.expand(n, V), sampler=nucleus_sampler(nucleus))[0]]
     counts = torch.bincount(torch.tensor(tokens), minlength=V)
     assert set(tokens) == allowed
     assert chi_square_p(counts, ref) > P_MIN
+
+
+def test_the_nucleus_kernel_keeps_what_a_float64_sort_keeps() -> None:
+    """Rows of a 150k vocabulary (flat, peaked, with ties, zeros and a min_p-style cut), each at its
+    own top_p, against the sort written out above; the kernel sorts no row, and a row's result is
+    the same alone."""
+    native = kernels.native_kernels()
+    if native is None:
+        pytest.skip("LADLE_NATIVE_KERNELS=0 in the environment")
+    gen = torch.Generator().manual_seed(5)
+    vocab = 151_936
+    logits = [torch.randn(vocab, generator=gen) * scale for scale in (0.5, 2.0, 4.0, 8.0)]
+    tied = torch.randn(vocab, generator=gen).mul(4).round()  # many tokens share each value
+    cut = torch.randn(vocab, generator=gen) * 3
+    cut[cut < 2.0] = -math.inf  # zeros, as min_p or top_k leave
+    probs = torch.stack([z.softmax(-1) for z in logits + [tied, cut]])
+    top_p = torch.tensor([0.95, 0.9, 0.5, 0.99, 0.7, 0.8])
+    kept = native.keep_nucleus(probs.clone(), top_p) > 0
+    for row in range(len(probs)):
+        want = sorted_nucleus(probs[row], float(top_p[row]))
+        assert torch.equal(kept[row], want & (probs[row] > 0)), f"row {row}: {int(kept[row].sum())} vs {int(want.sum())}"
+        alone = native.keep_nucleus(probs[row : row + 1].clone(), top_p[row : row + 1])
+        assert torch.equal(alone[0] > 0, kept[row])
+    assert 1 < int(kept[4].sum()) < int((probs[4] >= probs[4][kept[4]].min()).sum())  # the edge splits a tie
+    exact = native.keep_nucleus(torch.tensor([[0.125, 0.5, 0.125, 0.25]]), torch.tensor([0.75]))
+    assert exact.tolist() == [[0.125, 0.5, 0.0, 0.25]]  # mass before exactly top_p: kept; the tie by id
+    off = native.keep_nucleus(probs.clone(), torch.tensor([1.0, math.inf] * 3))
+    assert torch.equal(off, probs)  # top_p 1 (or off) keeps every token
+
+
+def test_the_cpu_samples_top_p_on_the_kernel_and_a_gpu_sorts() -> None:
+    from ladle.platform.cpu import CpuPlatform
+    from ladle.platform.cuda import CudaPlatform
+
+    native = kernels.native_kernels()
+    assert CpuPlatform().nucleus_kernel == (native.keep_nucleus if native is not None else None)
+    assert CudaPlatform.nucleus_kernel.fget(None) is None and CudaPlatform.top_p_head is None
 
 
 def test_seeded_rows_draw_the_reference_distribution() -> None:

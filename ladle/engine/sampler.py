@@ -17,6 +17,7 @@ in one copy, the call's only wait on the device.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +26,8 @@ from ladle.engine.request import Sequence, TokenLogprob
 from ladle.structured.matcher import apply_grammar_masks
 
 NEG_INF = float("-inf")
+# (probs [B, V], top_p [B]) -> probs with each row's tokens outside its nucleus zeroed, in place
+NucleusKernel = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def top_logprobs(logprobs: torch.Tensor, k: int) -> list[tuple[int, float]]:
@@ -152,11 +155,13 @@ def penalise(logits: torch.Tensor, s: BatchSettings) -> torch.Tensor:
     return torch.where(dead[:, None], logits, x)
 
 
-def distribution(x: torch.Tensor, s: BatchSettings, top_p_head: int | None = None) -> torch.Tensor:
+def distribution(x: torch.Tensor, s: BatchSettings, top_p_head: int | None = None,
+                 keep_nucleus: NucleusKernel | None = None) -> torch.Tensor:
     """What sampled rows draw from, in vLLM V1's order: temperature, min_p over the whole vocabulary,
     top_k, then top_p over what is left (so with min_p, top_p's mass is counted among the tokens
     min_p kept). Probabilities, left unnormalised where top_p drops tokens (the draw scales by each
-    row's total)."""
+    row's total). top_p's nucleus is found by `keep_nucleus` where the platform has one, else by
+    sorting (see outside_nucleus)."""
     x = x / s.temperature[:, None]
     if s.any_min_p:
         probs = x.softmax(-1)
@@ -166,7 +171,9 @@ def distribution(x: torch.Tensor, s: BatchSettings, top_p_head: int | None = Non
         kth = kth.masked_fill(s.top_k[:, None] == 0, NEG_INF)  # nothing is below -inf
         x = x.masked_fill(x < kth, NEG_INF)
     probs = x.softmax(-1)
-    if s.any_top_p:
+    if s.any_top_p and keep_nucleus is not None:
+        probs = keep_nucleus(probs, s.top_p)  # probs is softmax's own tensor: zeroed in place
+    elif s.any_top_p:
         probs = probs.masked_fill(outside_nucleus(probs, s.top_p, top_p_head), 0.0)
     return probs
 
@@ -194,10 +201,12 @@ def _past_the_run(ordered: torch.Tensor, order: torch.Tensor, top_p: torch.Tenso
 
 
 class Sampler:
-    def __init__(self, seed: int = 0, top_p_head: int | None = None):
-        """top_p_head: see outside_nucleus (the platform's choice)."""
+    def __init__(self, seed: int = 0, top_p_head: int | None = None, keep_nucleus: NucleusKernel | None = None):
+        """top_p_head and keep_nucleus: how top_p's nucleus is found (see distribution), the platform's
+        choice."""
         self.seed = seed
         self.top_p_head = top_p_head
+        self.keep_nucleus = keep_nucleus
         self.shared_generator: torch.Generator | None = None  # made on the device of the first logits
 
     @torch.inference_mode()
@@ -212,7 +221,8 @@ class Sampler:
         x = penalise(logits, settings)
         tokens = x.argmax(-1)
         if settings.seeded or settings.unseeded:
-            drawn = self._draw(distribution(x, settings, self.top_p_head), seqs, settings)
+            probs = distribution(x, settings, self.top_p_head, self.keep_nucleus)
+            drawn = self._draw(probs, seqs, settings)
             tokens = torch.where(settings.greedy, tokens, drawn)
         tokens = torch.where(settings.forced >= 0, settings.forced, tokens)
         return _to_host(tokens, logits, [s.params.logprobs for s in seqs])

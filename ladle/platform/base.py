@@ -42,6 +42,12 @@ class Platform(ABC):
         return self.attention
 
     @property
+    def nucleus_kernel(self) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
+        """A kernel that finds top_p's nucleus without sorting each row (sampler.distribution); None:
+        the sampler sorts."""
+        return None
+
+    @property
     def graphs(self) -> bool:
         """Whether decode steps can replay captured graphs here."""
         return False

@@ -95,6 +95,9 @@ class NativeKernels:
         self._lora_add = lib.ladle_lora_add
         self._lora_add.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr] + [i64] * 6 + [ctypes.c_int]
         self._lora_add.restype = ctypes.c_int
+        self._keep_nucleus = lib.ladle_keep_nucleus
+        self._keep_nucleus.argtypes = [ptr, ptr, i64, i64, ctypes.c_int]
+        self._keep_nucleus.restype = None
         lib.ladle_isa.restype = ctypes.c_char_p
         self.isa: str = lib.ladle_isa().decode()
         self._amx_linear = lib.ladle_amx_linear
@@ -322,6 +325,18 @@ class NativeKernels:
         fn = self._silu_and_mul_bf16 if gate_up.dtype == torch.bfloat16 else self._silu_and_mul
         fn(gate_up.data_ptr(), gate_up.stride(0), rows, n, torch.get_num_threads())
         return gate_up[:, :n]
+
+    def keep_nucleus(self, probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+        """Each row of probs [B, V] (contiguous float32, non-negative) with its probabilities outside the
+        nucleus of top_p [B] (1 or more, inf: off) set to 0, in place; returns probs (nucleus.cpp)."""
+        if probs.dtype != torch.float32 or probs.dim() != 2 or not probs.is_contiguous() or not probs.is_cpu:
+            raise ValueError(f"probs must be a contiguous float32 CPU matrix, not {tuple(probs.shape)} {probs.dtype}")
+        top_p = top_p.to(torch.float32).contiguous()
+        if top_p.shape != probs.shape[:1]:
+            raise ValueError(f"one top_p per row: {tuple(top_p.shape)} for {probs.shape[0]} rows")
+        self._keep_nucleus(probs.data_ptr(), top_p.data_ptr(), probs.shape[0], probs.shape[1],
+                           torch.get_num_threads())
+        return probs
 
     def rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [T, heads, D] (float32 or bfloat16, heads contiguous, rows may be strided) rotated in place
