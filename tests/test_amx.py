@@ -2,12 +2,14 @@
 
 It runs only on CPUs with AMX (Sapphire Rapids and later), where it is checked against float64. On
 every x86 machine: the source is compiled and assembled for Sapphire Rapids (the tile instructions
-and our own ldtilecfg are really in the object), and the kernel is never offered, routed to or
-forced where the CPU or the build lacks AMX.
+and our own ldtilecfg are really in the object); the same kernel, built on tiles emulated in software,
+is checked against float64 (its packing, tile shapes, block pairs and tails); and the kernel is never
+offered, routed to or forced where the CPU or the build lacks AMX.
 """
 
 from __future__ import annotations
 
+import ctypes
 import shutil
 import subprocess
 from pathlib import Path
@@ -52,6 +54,57 @@ def test_the_kernel_assembles_for_sapphire_rapids(tmp_path: Path) -> None:
                                              text=True, check=True).stdout
 
 
+def within_bf16_rounding(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor) -> bool:
+    """Each output within bf16 rounding of the float64 product of the same bf16 operands (the sum
+    runs in float32), bias included."""
+    exact = x.double() @ w.double().T + bias.double()
+    scale = (x.double().abs() @ w.double().abs().T + bias.double().abs())
+    return bool(((y.double() - exact).abs() <= 2**-8 * exact.abs() + 1e-5 * scale).all())
+
+
+def bf16_operands(rows: int, k: int, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(rows * 1000 + k)
+    x = torch.randn(rows, k, generator=gen).bfloat16()
+    w = (torch.randn(n, k, generator=gen) / k**0.5).bfloat16()
+    return x, w, torch.randn(n, generator=gen).bfloat16()
+
+
+@pytest.fixture(scope="module")
+def emulated_amx(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
+    """amx_linear.cpp built on tiles in software (LADLE_AMX_EMULATE): the kernel's own code, any CPU."""
+    if shutil.which("g++") is None or loader.platform.machine() != "x86_64":
+        pytest.skip("needs g++ on x86")
+    lib = tmp_path_factory.mktemp("amx") / "libamx_emulated.so"
+    subprocess.run(["g++", "-O2", "-std=c++20", "-fPIC", "-shared", "-fopenmp", "-DLADLE_AMX_EMULATE", str(SOURCE),
+                    "-o", str(lib)], check=True, capture_output=True)
+    emulated = ctypes.CDLL(str(lib))
+    emulated.ladle_amx_linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+    assert emulated.ladle_amx_ready() == 1
+    return emulated
+
+
+def emulated_linear(lib: ctypes.CDLL, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor,
+                    threads: int = 1) -> torch.Tensor:
+    y = torch.empty(x.shape[0], w.shape[0], dtype=torch.bfloat16)
+    code = lib.ladle_amx_linear(x.data_ptr(), w.data_ptr(), bias.data_ptr(), y.data_ptr(), *x.shape, w.shape[0],
+                                threads)
+    assert code == 0, code
+    return y
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16, 17, 32])
+@pytest.mark.parametrize("k, n, threads", [(896, 1152, 2), (100, 37, 1), (64, 16, 1), (96, 48, 2)])
+def test_the_kernel_on_emulated_tiles_against_float64(emulated_amx, rows: int, k: int, n: int, threads: int) -> None:
+    """One or two x halves (rows 1-16, 17-32), whole and odd block pairs (48 outputs: a pair and one
+    block), inputs and outputs past the last whole tile, shared over two threads; a row alone gives
+    the same bits as in its batch."""
+    x, w, bias = bf16_operands(rows, k, n)
+    y = emulated_linear(emulated_amx, x, w, bias, threads)
+    assert within_bf16_rounding(y, x, w, bias)
+    assert torch.equal(emulated_linear(emulated_amx, x[-1:].contiguous(), w, bias), y[-1:])
+    assert emulated_amx.ladle_amx_linear(x.data_ptr(), w.data_ptr(), None, y.data_ptr(), 33, k, n, 1) == -1
+
+
 @pytest.mark.skipif(HAS_AMX, reason="this CPU has AMX")
 def test_never_routed_to_without_amx(monkeypatch: pytest.MonkeyPatch) -> None:
     if not loader.enabled():
@@ -85,17 +138,12 @@ def amx_kernels(monkeypatch: pytest.MonkeyPatch):
 @pytest.mark.parametrize("rows", [1, 3, 16, 17, 32, 45])
 @pytest.mark.parametrize("k, n", [(896, 1152), (100, 37), (64, 16)])  # a model's shape; tails of K and N; one tile
 def test_amx_linear_against_float64(amx_kernels, rows: int, k: int, n: int) -> None:
-    """Each output within bf16 rounding of the float64 product of the same bf16 operands (the sum
-    runs in float32), bias included; a row alone gives the same bits as in its batch."""
-    gen = torch.Generator().manual_seed(rows * 1000 + k)
-    x = torch.randn(rows, k, generator=gen).bfloat16()
-    w = (torch.randn(n, k, generator=gen) / k**0.5).bfloat16()
-    bias = torch.randn(n, generator=gen).bfloat16()
+    """Within bf16 rounding of float64 (see within_bf16_rounding); a row alone gives the same bits as
+    in its batch."""
+    x, w, bias = bf16_operands(rows, k, n)
     y = amx_kernels.amx_linear(x, w, bias)
-    exact = x.double() @ w.double().T + bias.double()
-    scale = (x.double().abs() @ w.double().abs().T + bias.double().abs())
     assert y.dtype == torch.bfloat16 and y.shape == (rows, n)
-    assert ((y.double() - exact).abs() <= 2**-8 * exact.abs() + 1e-5 * scale).all()
+    assert within_bf16_rounding(y, x, w, bias)
     assert torch.equal(amx_kernels.amx_linear(x[-1:].contiguous(), w, bias), y[-1:])
 
 
