@@ -105,13 +105,62 @@ def test_the_kernel_on_emulated_tiles_against_float64(emulated_amx, rows: int, k
     assert emulated_amx.ladle_amx_linear(x.data_ptr(), w.data_ptr(), None, y.data_ptr(), 33, k, n, 1) == -1
 
 
+@pytest.fixture(scope="module")
+def emulated_int8(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
+    """int8_dot.cpp built with its AMX path on emulated tiles, beside its own dot-product path."""
+    if shutil.which("g++") is None or loader.platform.machine() != "x86_64":
+        pytest.skip("needs g++ on x86")
+    lib = tmp_path_factory.mktemp("amx_int8") / "libint8_emulated.so"
+    subprocess.run(["g++", "-O2", "-std=c++20", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=off", "-march=native",
+                    "-mno-avx512f", "-DLADLE_AMX_EMULATE", str(SOURCE.parent / "int8_dot.cpp"), "-o", str(lib)],
+                   check=True, capture_output=True)
+    emulated = ctypes.CDLL(str(lib))
+    for name in ("ladle_int8_amx_linear", "ladle_int8_dot_linear"):
+        getattr(emulated, name).argtypes = [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 4 + \
+            [ctypes.c_int64] * 3 + [ctypes.c_int]
+    assert emulated.ladle_int8_amx_ready() == 1
+    return emulated
+
+
+@pytest.mark.parametrize("rows", [1, 4, 16, 17, 32])
+@pytest.mark.parametrize("k, n, threads", [(896, 1152, 2), (96, 37, 1), (32, 16, 1), (64, 48, 2)])
+def test_the_int8_kernel_on_emulated_tiles_gives_the_dot_products_bits(emulated_int8, rows: int, k: int, n: int,
+                                                                        threads: int) -> None:
+    """TDPBSUD's sums of x's quantised blocks with the packed weights, folded as the dot-product kernel
+    folds its own: the same bits as that kernel (here and as ladle's build has it), for one and two x
+    halves, panel pairs and an odd panel, a column tail, two threads; and the float64 product of the
+    quantised operands."""
+    gen = torch.Generator().manual_seed(rows * 100 + k)
+    q = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+    w_scales = torch.rand(n, generator=gen) / 64 + 1e-3
+    packed, scales = kernels.NativeKernels.pack_dot(q, w_scales)
+    x, bias = torch.randn(rows, k, generator=gen), torch.randn(n, generator=gen)
+
+    def run(name: str) -> torch.Tensor:
+        y = torch.empty(rows, n)
+        code = getattr(emulated_int8, name)(x.data_ptr(), k, packed.data_ptr(), scales.data_ptr(), bias.data_ptr(),
+                                            y.data_ptr(), rows, k, n, threads)
+        assert code in (0, None), code
+        return y
+
+    y = run("ladle_int8_amx_linear")
+    assert torch.equal(y, run("ladle_int8_dot_linear"))
+    native = kernels.native_kernels()
+    if native is not None:
+        assert torch.equal(y, native.int8_dot_linear(x, packed, scales, n, bias))
+    amax = x.view(rows, -1, 32).abs().amax(-1, keepdim=True)  # x as the kernel quantises it, per block of 32
+    xq = (x.view(rows, -1, 32) * (127 / amax)).round() * (amax / 127)
+    exact = xq.view(rows, k).double() @ (q.double() * w_scales.double()[:, None]).T + bias.double()
+    assert torch.allclose(y.double(), exact, rtol=1e-5, atol=1e-4)
+
+
 @pytest.mark.skipif(HAS_AMX, reason="this CPU has AMX")
 def test_never_routed_to_without_amx(monkeypatch: pytest.MonkeyPatch) -> None:
     if not loader.enabled():
         pytest.skip("LADLE_NATIVE_KERNELS=0 in the environment")
     monkeypatch.delenv("LADLE_MATMUL", raising=False)
     native = kernels.native_kernels()
-    assert native.isa != "amx" and not native.amx
+    assert native.isa != "amx" and not native.amx and not native.amx_int8
     weights = [torch.randn(96, 64).bfloat16(), torch.randn(64, 96).bfloat16()]
     measured = routing.choose_routing(native, weights)
     assert "amx" not in measured.measured and "amx" not in measured.by_rows
@@ -154,3 +203,20 @@ def test_amx_is_measured_for_bf16_decode_buckets(amx_kernels, monkeypatch: pytes
     parts = measured.measured.split("; ")
     assert all("amx" in p for p in parts[:-1]) and "amx" not in parts[-1]
     assert "amx" not in routing.choose_routing(amx_kernels, [w.float() for w in weights]).measured
+
+
+def test_int8_decode_rows_take_the_tiles_with_the_dot_products_bits(amx_kernels,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    from ladle.model.quantization import AMX_INT8_ROWS, Int8Linear
+
+    assert amx_kernels.amx_int8, "the int8 AMX kernel failed its self-check at load"
+    layer = Int8Linear(torch.randn(200, 128, generator=torch.Generator().manual_seed(9)))
+    assert layer._dot and layer._kernels is amx_kernels
+    calls = []
+    real = amx_kernels.int8_amx_linear
+    monkeypatch.setattr(amx_kernels, "int8_amx_linear", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    x = torch.randn(40, 128)
+    for rows in (1, 8, 32, 40):
+        y = layer(x[:rows])
+        assert torch.equal(y, amx_kernels.int8_dot_linear(x[:rows], layer._int8_panels, layer.scales, 200))
+    assert calls == [r for r in (1, 8, 32) if r in AMX_INT8_ROWS]  # 40 rows: more than the tiles take

@@ -18,7 +18,8 @@ accuracy (the README has the figures). Grouped weights, and per-row ones whose i
 multiple of 32, run on the canonical kernel: float activations, an exact FMA chain per output
 over weights widened on the fly. Both kernels give a row the same bits whatever else is in the
 call, so canonical (scoring) rows take them too and scoring keeps its bit-identical replay.
-LADLE_INT8_DOT=0 keeps per-row weights on the canonical kernel.
+LADLE_INT8_DOT=0 keeps per-row weights on the canonical kernel. On AMX CPUs, decode-sized calls of
+AMX_INT8_ROWS rows take the same integer sums from AMX tiles (int8_dot.cpp): the same bits.
 
 A prompt's many rows reuse each weight often enough that converting it again in every row tile
 costs more than the bytes save: calls of more than WIDEN_ROWS rows (when the model's routing
@@ -51,6 +52,9 @@ from ladle.model.layers import Linear
 log = logging.getLogger(__name__)
 
 WIDEN_ROWS = 128  # calls of more rows than this take widened slices on torch (see the module docstring)
+# per-row int8 calls that go to the AMX tiles where the CPU has them: where the tiles' per-block cost
+# (a store of the sums and their float fold) is shared by enough rows (a guess until timed on AMX)
+AMX_INT8_ROWS = range(4, 33)
 WIDEN_SLICE_BYTES = 8 << 20  # float weights widened at a time: they stay in cache for the GEMM
 _workspace = threading.local()  # each thread's slice buffer, reused from call to call
 
@@ -218,6 +222,8 @@ class Int8Linear(Linear):
         return self._kernel_matmul(rows)
 
     def _kernel_matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        if self._dot and self._kernels.amx_int8 and rows.shape[0] in AMX_INT8_ROWS:
+            return self._kernels.int8_amx_linear(rows, self._int8_panels, self.scales, self.out_features, self._bias32)
         if self._dot:
             return self._kernels.int8_dot_linear(rows, self._int8_panels, self.scales, self.out_features, self._bias32)
         return self._kernels.canonical_linear(rows, self._int8_panels, self.out_features, self._bias32, self.scales,

@@ -22,16 +22,11 @@
 // Compiled with LADLE_AMX_EMULATE instead, the same kernel runs on tiles in software, so its
 // packing, tile shapes and tails are tested on any CPU (tests/test_amx.py; never in ladle's build).
 
+#include "amx_tiles.h"
 #include "simd.h"
 
 #include <cstdint>
 #include <cstring>
-
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#define LADLE_AMX_TILES 1  // the CPU's tiles
-#elif defined(LADLE_AMX_EMULATE)
-#define LADLE_AMX_TILES 2  // tiles in software: the kernel's logic checked on CPUs without AMX (tests only)
-#endif
 
 #ifdef LADLE_AMX_TILES
 
@@ -40,106 +35,6 @@ namespace {
 constexpr int kTile = 16;       // rows of every tile, and pairs of inputs per B tile
 constexpr int kTileK = 32;      // bf16 inputs per tile step (64 bytes of an A row)
 constexpr int kMaxRows = 32;    // x rows per call: two B tiles
-
-struct alignas(64) TileConfig {
-  uint8_t palette;
-  uint8_t start_row;
-  uint8_t reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-static_assert(sizeof(TileConfig) == 64, "ldtilecfg reads 64 bytes");
-
-}  // namespace
-
-#if LADLE_AMX_TILES == 1
-#include <sys/syscall.h>
-#include <unistd.h>
-
-#define TILE_ZERO(t) asm volatile("tilezero %%tmm" #t ::: "memory")
-#define TILE_LOAD(t, base, stride) \
-  asm volatile("tileloadd (%0,%1,1), %%tmm" #t ::"r"(base), "r"(static_cast<int64_t>(stride)) : "memory")
-#define TILE_STORE(t, base, stride) \
-  asm volatile("tilestored %%tmm" #t ", (%0,%1,1)" ::"r"(base), "r"(static_cast<int64_t>(stride)) : "memory")
-// C += A . B; AT&T order: B, A, C
-#define TILE_DOT(c, a, b) asm volatile("tdpbf16ps %%tmm" #b ", %%tmm" #a ", %%tmm" #c ::: "memory")
-#define TILE_RELEASE() asm volatile("tilerelease" ::: "memory")
-
-namespace {
-
-inline void load_config(const TileConfig& cfg) {
-  asm volatile("ldtilecfg %0" ::"m"(*reinterpret_cast<const char(*)[64]>(&cfg)));
-}
-
-// Asks Linux for the AMX tile state (once per process); true if granted.
-bool tile_state_granted() {
-  static const bool granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
-  return granted;
-}
-
-}  // namespace
-
-#else
-// Each instruction as Intel's pseudocode states it, on eight tiles of 16 rows x 64 bytes a thread:
-// a load or store moves the configured rows and bytes, and TDPBF16PS adds to each float32 of C the
-// two products of its row of A's bf16 pairs with B's, one after the other, as that pseudocode does
-// (the hardware's flushing of denormals left out).
-
-namespace {
-
-struct Tiles {
-  TileConfig config;
-  alignas(64) uint8_t data[8][kTile][64];
-};
-thread_local Tiles tiles;
-
-inline void load_config(const TileConfig& cfg) {
-  tiles.config = cfg;
-  std::memset(tiles.data, 0, sizeof tiles.data);
-}
-
-void tile_zero(int t) { std::memset(tiles.data[t], 0, sizeof tiles.data[t]); }
-
-void tile_load(int t, const void* base, int64_t stride) {
-  tile_zero(t);
-  for (int r = 0; r < tiles.config.rows[t]; ++r)
-    std::memcpy(tiles.data[t][r], static_cast<const char*>(base) + r * stride, tiles.config.colsb[t]);
-}
-
-void tile_store(int t, void* base, int64_t stride) {
-  for (int r = 0; r < tiles.config.rows[t]; ++r)
-    std::memcpy(static_cast<char*>(base) + r * stride, tiles.data[t][r], tiles.config.colsb[t]);
-}
-
-// C[m][n] += A[m][2k] B[k][2n] + A[m][2k + 1] B[k][2n + 1] over k, in A's and C's configured shapes.
-void tile_dot(int c, int a, int b) {
-  const int m_rows = tiles.config.rows[c], n_cols = tiles.config.colsb[c] / 4, pairs = tiles.config.colsb[a] / 4;
-  for (int m = 0; m < m_rows; ++m)
-    for (int k = 0; k < pairs; ++k)
-      for (int n = 0; n < n_cols; ++n) {
-        uint16_t a2[2], b2[2];
-        float acc;
-        std::memcpy(a2, tiles.data[a][m] + 4 * k, 4);
-        std::memcpy(b2, tiles.data[b][k] + 4 * n, 4);
-        std::memcpy(&acc, tiles.data[c][m] + 4 * n, 4);
-        acc += to_float(a2[0]) * to_float(b2[0]);
-        acc += to_float(a2[1]) * to_float(b2[1]);
-        std::memcpy(tiles.data[c][m] + 4 * n, &acc, 4);
-      }
-}
-
-bool tile_state_granted() { return true; }
-
-}  // namespace
-
-#define TILE_ZERO(t) tile_zero(t)
-#define TILE_LOAD(t, base, stride) tile_load(t, base, stride)
-#define TILE_STORE(t, base, stride) tile_store(t, base, stride)
-#define TILE_DOT(c, a, b) tile_dot(c, a, b)
-#define TILE_RELEASE() std::memset(&tiles.config, 0, sizeof tiles.config)
-#endif
-
-namespace {
 
 // The config for x halves of m0 and m1 rows (m1 = 0: one half).
 TileConfig config_for(int m0, int m1) {
@@ -210,12 +105,12 @@ void run_blocks(const uint16_t* x, const uint16_t* w, const uint16_t* bias, cons
       TILE_LOAD(6, packed0 + t * kTile * m0 * 2, m0 * 4);
       if (m1) TILE_LOAD(7, packed1 + t * kTile * m1 * 2, m1 * 4);
       TILE_LOAD(4, w0 + t * kTileK, stride_w);
-      TILE_DOT(0, 4, 6);
-      if (m1) TILE_DOT(1, 4, 7);
+      TILE_DOT_BF16(0, 4, 6);
+      if (m1) TILE_DOT_BF16(1, 4, 7);
       if (two) {
         TILE_LOAD(5, w1 + t * kTileK, stride_w);
-        TILE_DOT(2, 5, 6);
-        if (m1) TILE_DOT(3, 5, 7);
+        TILE_DOT_BF16(2, 5, 6);
+        if (m1) TILE_DOT_BF16(3, 5, 7);
       }
     }
     TILE_STORE(0, acc[0][0], m0 * 4);

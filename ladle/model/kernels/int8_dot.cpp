@@ -20,7 +20,14 @@
 // xq's sign, vpmaddubsw: no pair exceeds 2 * 127 * 127) and the scalar loop give the same isum and
 // run the same float steps, so the same bits; a row's bits depend on nothing else in the call, so
 // the kernel is batch-invariant by construction, as canonical (scoring) rows need.
+//
+// On AMX (the `amx` build, or tiles emulated in tests) ladle_int8_amx_linear computes the same
+// isum with TDPBSUD for up to 32 rows at once: x's quantised rows are the signed tile A (one block
+// of 32 inputs per tile row), a panel's block of W (8 lines of 16 columns x 4 inputs, as packed) the
+// unsigned tile B, so each tile product is u times xq over one block, less 128 times its sum as
+// above. The float steps are the same, so the same bits as every other path.
 
+#include "amx_tiles.h"
 #include "simd.h"
 
 #include <algorithm>
@@ -229,6 +236,133 @@ extern "C" void ladle_int8_dot_linear(const float* x, int64_t ldx, const uint8_t
     panel_range(rows, m, packed, scales, bias, y, n, first, end);
   }
 }
+
+#ifdef LADLE_AMX_INT8
+namespace {
+
+constexpr int kAmxMaxRows = 32;  // two A tiles of 16 rows
+constexpr int64_t kBlockBytes = kSteps * 64;  // a panel's block: 8 lines of 16 columns x 4 inputs
+
+// Tiles for x halves of m0 and m1 rows (m1 = 0: one half): tmm6, tmm7 x's halves for one block
+// (32 signed bytes a row), tmm4, tmm5 two panels' block of W (8 lines of 64 unsigned bytes), and
+// tmm0-3 the int32 sums, tmm(2 * panel + half): [rows, 16 columns].
+TileConfig int8_tiles(int m0, int m1) {
+  TileConfig cfg;
+  std::memset(&cfg, 0, sizeof cfg);
+  cfg.palette = 1;
+  const int halves[2] = {m0, m1};
+  for (int h = 0; h < 2; ++h) {
+    if (!halves[h]) continue;
+    cfg.rows[6 + h] = static_cast<uint8_t>(halves[h]);
+    cfg.colsb[6 + h] = kBlock;
+    for (int panel = 0; panel < 2; ++panel) {
+      cfg.rows[2 * panel + h] = static_cast<uint8_t>(halves[h]);
+      cfg.colsb[2 * panel + h] = kPanel * 4;
+    }
+  }
+  for (int b = 4; b < 6; ++b) {
+    cfg.rows[b] = kSteps;
+    cfg.colsb[b] = 64;
+  }
+  return cfg;
+}
+
+// One block's int32 sums of panels' tile pairs, folded into acc[panel][row * 16 + j] as the other
+// paths fold theirs: acc = fma(float(isum - 128 * xsum), x's scale, acc).
+void fold_block(const QuantisedRows& x, int64_t b, int m0, int m, int panels,
+                const int32_t (&sums)[2][2][kTileRows * kPanel], float (&acc)[2][kAmxMaxRows * kPanel]) {
+  for (int pp = 0; pp < panels; ++pp)
+    for (int r = 0; r < m; ++r) {
+      const int half = r < m0 ? 0 : 1;
+      const int32_t* s = sums[pp][half] + (r - half * m0) * kPanel;
+      const int64_t at = r * x.blocks + b;
+      const int32_t offset = 128 * x.sum[at];
+      const float scale = x.scale[at];
+      float* a = acc[pp] + r * kPanel;
+      for (int j = 0; j < kPanel; ++j) a[j] = std::fma(static_cast<float>(s[j] - offset), scale, a[j]);
+    }
+}
+
+// Panels [first, end), two at a time, for all m = m0 + m1 rows.
+void amx_panel_range(const QuantisedRows& x, int m0, int m1, const uint8_t* packed, const float* scales,
+                     const float* bias, float* y, int64_t n, int64_t first, int64_t end) {
+  const int64_t panel_bytes = x.k * kPanel;
+  const int m = m0 + m1;
+  alignas(64) int32_t sums[2][2][kTileRows * kPanel];  // [panel][half]: a tile's rows of 16 sums
+  alignas(64) float acc[2][kAmxMaxRows * kPanel];
+  load_config(int8_tiles(m0, m1));
+  for (int64_t p = first; p < end; p += 2) {
+    const int panels = p + 1 < end ? 2 : 1;
+    std::memset(acc, 0, sizeof acc);
+    for (int64_t b = 0; b < x.blocks; ++b) {
+      const uint8_t* w = packed + p * panel_bytes + b * kBlockBytes;
+      TILE_ZERO(0);
+      TILE_ZERO(2);
+      TILE_LOAD(6, x.q.data() + b * kBlock, x.k);
+      TILE_LOAD(4, w, 64);
+      TILE_DOT_SU(0, 6, 4);
+      if (m1) {
+        TILE_ZERO(1);
+        TILE_ZERO(3);
+        TILE_LOAD(7, x.q.data() + m0 * x.k + b * kBlock, x.k);
+        TILE_DOT_SU(1, 7, 4);
+      }
+      if (panels == 2) {
+        TILE_LOAD(5, w + panel_bytes, 64);
+        TILE_DOT_SU(2, 6, 5);
+        if (m1) TILE_DOT_SU(3, 7, 5);
+      }
+      TILE_STORE(0, sums[0][0], kPanel * 4);
+      if (m1) TILE_STORE(1, sums[0][1], kPanel * 4);
+      if (panels == 2) {
+        TILE_STORE(2, sums[1][0], kPanel * 4);
+        if (m1) TILE_STORE(3, sums[1][1], kPanel * 4);
+      }
+      fold_block(x, b, m0, m, panels, sums, acc);
+    }
+    for (int pp = 0; pp < panels; ++pp) {
+      const int64_t col0 = (p + pp) * kPanel, cols = std::min<int64_t>(kPanel, n - col0);
+      for (int r = 0; r < m; ++r)
+        for (int64_t j = 0; j < cols; ++j) {
+          const float v = acc[pp][r * kPanel + j] * scales[col0 + j];
+          y[r * n + col0 + j] = bias ? v + bias[col0 + j] : v;
+        }
+    }
+  }
+  TILE_RELEASE();
+}
+
+}  // namespace
+
+// 1 where ladle_int8_amx_linear runs: the build has AMX-INT8 and Linux granted the tile state.
+extern "C" int ladle_int8_amx_ready() { return tile_state_granted() ? 1 : 0; }
+
+// ladle_int8_dot_linear's product on AMX tiles, the same bits, for 1 <= m <= 32 rows. Returns 0, -1
+// for a row count out of range, -2 where the kernels are not built for AMX-INT8, -3 where the
+// kernel cannot get the tile state.
+extern "C" int ladle_int8_amx_linear(const float* x, int64_t ldx, const uint8_t* packed, const float* scales,
+                                     const float* bias, float* y, int64_t m, int64_t k, int64_t n, int threads) {
+  if (m < 1 || m > kAmxMaxRows) return -1;
+  if (!tile_state_granted()) return -3;
+  const QuantisedRows rows = quantise(x, ldx, m, k, threads);
+  const int m0 = static_cast<int>(std::min<int64_t>(m, kTileRows)), m1 = static_cast<int>(m - m0);
+  const int64_t panels = (n + kPanel - 1) / kPanel;
+  threads = matmul_threads(m, n, k, (panels + 1) / 2, threads);
+#pragma omp parallel num_threads(threads) if (threads > 1)
+  {
+    const auto [first, end] = panel_share(panels, 2, threads);
+    if (first < end) amx_panel_range(rows, m0, m1, packed, scales, bias, y, n, first, end);
+  }
+  return 0;
+}
+#else
+extern "C" int ladle_int8_amx_ready() { return 0; }
+
+extern "C" int ladle_int8_amx_linear(const float*, int64_t, const uint8_t*, const float*, const float*, float*, int64_t,
+                                     int64_t, int64_t, int) {
+  return -2;  // not built for AMX-INT8
+}
+#endif
 
 // out[i, 16 * (p - first_panel) + j] = W[16p + j, i] = (u - 128) * s (the float the checkpoint's
 // dequantisation gives) for panels [first_panel, end_panel): W^T's columns as a float32

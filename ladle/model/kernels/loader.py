@@ -206,3 +206,22 @@ def _check_amx(kernels: NativeKernels, gen: torch.Generator) -> None:
     if not ok:
         logger.warning("the AMX kernel failed its self-check (%s); bf16 decode matmuls use the others", why)
         kernels.amx = False
+    if kernels.amx_int8:
+        _check_amx_int8(kernels, gen)
+
+
+def _check_amx_int8(kernels: NativeKernels, gen: torch.Generator) -> None:
+    """The int8 AMX kernel against the int8 dot-product kernel, bit for bit (the same arithmetic), on two
+    x halves and an odd panel; a difference turns it off alone."""
+    q = torch.randint(-127, 128, (40, 96), generator=gen, dtype=torch.int8)
+    packed, scales = kernels.pack_dot(q, torch.rand(40, generator=gen) + 0.5)
+    x = torch.randn(19, 96, generator=gen)
+    try:
+        ok = torch.equal(kernels.int8_amx_linear(x, packed, scales, 40), kernels.int8_dot_linear(x, packed, scales, 40))
+    except RuntimeError as e:
+        ok, why = False, str(e)
+    else:
+        why = "different bits"
+    if not ok:
+        logger.warning("the int8 AMX kernel failed its self-check (%s); int8 decode matmuls use the others", why)
+        kernels.amx_int8 = False

@@ -105,6 +105,11 @@ class NativeKernels:
         self._amx_linear.restype = ctypes.c_int
         # the AMX build, and Linux granted the tile state: decode-sized bf16 matmuls may go to the tiles
         self.amx: bool = self.isa == "amx" and lib.ladle_amx_ready() == 1
+        self._int8_amx_linear = lib.ladle_int8_amx_linear
+        self._int8_amx_linear.argtypes = self._int8_dot_linear.argtypes
+        self._int8_amx_linear.restype = ctypes.c_int
+        # and AMX-INT8: decode-sized int8 dot products may go to the tiles (the same bits)
+        self.amx_int8: bool = self.amx and lib.ladle_int8_amx_ready() == 1
 
     def pack_panels(self, weight: torch.Tensor, four_bit: bool = False) -> torch.Tensor:
         """weight [out, in] in the canonical kernel's layout: 16-column panels, [ceil(out / 16),
@@ -285,6 +290,24 @@ class NativeKernels:
         y = torch.empty(rows, n, dtype=torch.float32)
         self._linear(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(),
                      rows, k, n, torch.get_num_threads())
+        return y
+
+    def int8_amx_linear(self, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out_features: int,
+                        bias: torch.Tensor | None = None) -> torch.Tensor:
+        """int8_dot_linear's product, the same bits, on AMX tiles (int8_dot.cpp); rows in calls of
+        AMX_MAX_ROWS."""
+        rows, k = x.shape
+        if packed.shape[1] * 4 != k:
+            raise ValueError(f"int8 dot panels of {packed.shape[1] * 4} inputs do not take rows of {k}")
+        y = torch.empty(rows, out_features)
+        for first in range(0, rows, AMX_MAX_ROWS):
+            part = min(AMX_MAX_ROWS, rows - first)
+            status = self._int8_amx_linear(x[first].data_ptr(), x.stride(0), packed.data_ptr(), scales.data_ptr(),
+                                           None if bias is None else bias.data_ptr(), y[first].data_ptr(), part, k,
+                                           out_features, torch.get_num_threads())
+            if status:
+                why = {-2: "the kernels were not built for AMX-INT8", -3: "Linux did not grant the AMX tile state"}
+                raise RuntimeError(f"int8_amx_linear: {why.get(status, status)}")
         return y
 
     def amx_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
