@@ -38,9 +38,7 @@ constexpr int kMaxRows = 32;    // x rows per call: two B tiles
 
 // The config for x halves of m0 and m1 rows (m1 = 0: one half).
 TileConfig config_for(int m0, int m1) {
-  TileConfig cfg;
-  std::memset(&cfg, 0, sizeof cfg);
-  cfg.palette = 1;
+  TileConfig cfg = blank_config();
   const int halves[2] = {m0, m1};
   for (int h = 0; h < 2; ++h) {
     if (!halves[h]) continue;

@@ -37,6 +37,14 @@ struct alignas(64) TileConfig {
 };
 static_assert(sizeof(TileConfig) == 64, "ldtilecfg reads 64 bytes");
 
+// Palette 1, every tile unused: a kernel sets the rows and bytes of the tiles it uses.
+inline TileConfig blank_config() {
+  TileConfig cfg;
+  std::memset(&cfg, 0, sizeof cfg);
+  cfg.palette = 1;
+  return cfg;
+}
+
 }  // namespace
 
 #if LADLE_AMX_TILES == 1

@@ -247,9 +247,7 @@ constexpr int64_t kBlockBytes = kSteps * 64;  // a panel's block: 8 lines of 16 
 // (32 signed bytes a row), tmm4, tmm5 two panels' block of W (8 lines of 64 unsigned bytes), and
 // tmm0-3 the int32 sums, tmm(2 * panel + half): [rows, 16 columns].
 TileConfig int8_tiles(int m0, int m1) {
-  TileConfig cfg;
-  std::memset(&cfg, 0, sizeof cfg);
-  cfg.palette = 1;
+  TileConfig cfg = blank_config();
   const int halves[2] = {m0, m1};
   for (int h = 0; h < 2; ++h) {
     if (!halves[h]) continue;

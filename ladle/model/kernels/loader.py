@@ -21,6 +21,7 @@ import shutil
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -195,33 +196,29 @@ def _check(kernels: NativeKernels) -> None:
 
 
 def _check_amx(kernels: NativeKernels, gen: torch.Generator) -> None:
-    """The AMX kernel against torch on a tile-and-tail shape; a wrong answer turns it off alone."""
+    """The AMX kernels on tile-and-tail shapes: the bf16 one against torch, the int8 one against the
+    int8 dot-product kernel bit for bit (the same arithmetic). A wrong answer turns that kernel off alone."""
     x, w = torch.randn(19, 80, generator=gen).bfloat16(), torch.randn(21, 80, generator=gen).bfloat16()
-    try:
-        ok = torch.allclose(kernels.amx_linear(x, w).float(), (x.float() @ w.float().T), rtol=2**-7, atol=1e-2)
-    except RuntimeError as e:
-        ok, why = False, str(e)
-    else:
-        why = "a wrong answer"
-    if not ok:
-        logger.warning("the AMX kernel failed its self-check (%s); bf16 decode matmuls use the others", why)
+    if not _holds(lambda: torch.allclose(kernels.amx_linear(x, w).float(), x.float() @ w.float().T, rtol=2**-7,
+                                         atol=1e-2), "the AMX kernel", "bf16 decode matmuls"):
         kernels.amx = False
     if kernels.amx_int8:
-        _check_amx_int8(kernels, gen)
+        q = torch.randint(-127, 128, (40, 96), generator=gen, dtype=torch.int8)  # an odd panel; two x halves
+        packed, scales = kernels.pack_dot(q, torch.rand(40, generator=gen) + 0.5)
+        x = torch.randn(19, 96, generator=gen)
+        if not _holds(lambda: torch.equal(kernels.int8_amx_linear(x, packed, scales, 40),
+                                          kernels.int8_dot_linear(x, packed, scales, 40)),
+                      "the int8 AMX kernel", "int8 decode matmuls"):
+            kernels.amx_int8 = False
 
 
-def _check_amx_int8(kernels: NativeKernels, gen: torch.Generator) -> None:
-    """The int8 AMX kernel against the int8 dot-product kernel, bit for bit (the same arithmetic), on two
-    x halves and an odd panel; a difference turns it off alone."""
-    q = torch.randint(-127, 128, (40, 96), generator=gen, dtype=torch.int8)
-    packed, scales = kernels.pack_dot(q, torch.rand(40, generator=gen) + 0.5)
-    x = torch.randn(19, 96, generator=gen)
+def _holds(check: Callable[[], bool], kernel: str, matmuls: str) -> bool:
+    """Whether a kernel's self-check holds; if not, a warning names why and who does its work instead."""
     try:
-        ok = torch.equal(kernels.int8_amx_linear(x, packed, scales, 40), kernels.int8_dot_linear(x, packed, scales, 40))
+        if check():
+            return True
+        why = "a wrong answer"
     except RuntimeError as e:
-        ok, why = False, str(e)
-    else:
-        why = "different bits"
-    if not ok:
-        logger.warning("the int8 AMX kernel failed its self-check (%s); int8 decode matmuls use the others", why)
-        kernels.amx_int8 = False
+        why = str(e)
+    logger.warning("%s failed its self-check (%s); %s use the others", kernel, why, matmuls)
+    return False
