@@ -36,8 +36,8 @@ def test_amx_is_offered_only_where_the_cpu_has_it() -> None:
 
 @pytest.mark.skipif(shutil.which("g++") is None or loader.platform.machine() != "x86_64", reason="needs g++ on x86")
 def test_the_kernel_assembles_for_sapphire_rapids(tmp_path: Path) -> None:
-    """The AMX branch, not the stub, compiled for a Sapphire Rapids target: its object holds the tile
-    config load, the tile loads, the bf16 dot products and the tile release."""
+    """The AMX branches, not the stubs, compiled for a Sapphire Rapids target: the objects hold the tile
+    config load, the tile loads, the bf16 (and int8) dot products and the tile release."""
     obj = tmp_path / "amx_linear.o"
     done = subprocess.run(["g++", "-O3", "-march=sapphirerapids", "-ffp-contract=off", "-fopenmp", "-c", str(SOURCE),
                            "-o", str(obj)], capture_output=True, text=True)
@@ -47,6 +47,11 @@ def test_the_kernel_assembles_for_sapphire_rapids(tmp_path: Path) -> None:
     listing = subprocess.run(["objdump", "-d", str(obj)], capture_output=True, text=True, check=True).stdout
     for instruction in ("ldtilecfg", "tileloadd", "tdpbf16ps", "tilestored", "tilezero", "tilerelease"):
         assert instruction in listing, instruction
+    int8 = tmp_path / "int8_dot.o"
+    subprocess.run(["g++", "-O3", "-march=sapphirerapids", "-std=c++20", "-ffp-contract=off", "-fopenmp", "-c",
+                    str(SOURCE.parent / "int8_dot.cpp"), "-o", str(int8)], check=True, capture_output=True)
+    int8_listing = subprocess.run(["objdump", "-d", str(int8)], capture_output=True, text=True, check=True).stdout
+    assert "tdpbsud" in int8_listing and "ldtilecfg" in int8_listing  # the int8 path's tiles
     stub = subprocess.run(["g++", "-O2", "-march=x86-64-v3", "-c", str(SOURCE), "-o", str(tmp_path / "stub.o")],
                           capture_output=True, text=True)
     assert stub.returncode == 0, stub.stderr[-3000:]
