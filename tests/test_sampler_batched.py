@@ -189,12 +189,9 @@ def sorted_nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     """The reference: a row's tokens by descending probability (ties by token id) in float64, each kept
     while the mass before it is at most top_p."""
     p = probs.double()
-    order = sorted(range(len(p)), key=lambda t: (-float(p[t]), t))
-    before, keep = 0.0, torch.zeros(len(p), dtype=torch.bool)
-    for t in order:
-        keep[t] = before <= top_p
-        before += float(p[t])
-    return keep
+    ordered, order = (-p).sort(stable=True)  # likeliest first; a stable sort keeps tied tokens in id order
+    before = (-ordered).cumsum(0) + ordered
+    return torch.zeros_like(p, dtype=torch.bool).scatter_(0, order, before <= top_p)
 
 
 @pytest.mark.parametrize("nucleus", NUCLEUS)
