@@ -365,7 +365,7 @@ def test_streams_on_a_killed_worker_end_in_an_error_the_sdk_raises(workers) -> N
             def stream(i: int) -> str:
                 chunks = client.chat.completions.create(
                     model=MODEL, messages=[{"role": "user", "content": f"Story {i}: tell me a long story."}],
-                    max_tokens=400, stream=True, extra_body={"ignore_eos": True}, **GREEDY)
+                    max_tokens=160, stream=True, extra_body={"ignore_eos": True}, **GREEDY)
                 try:
                     for n, _ in enumerate(chunks):
                         if n == 2:
