@@ -157,6 +157,36 @@ def test_routing_is_measured_and_can_be_forced(monkeypatch: pytest.MonkeyPatch, 
         routing.choose_routing(native, weights)
 
 
+def test_kept_measurements_follow_the_kernels_sources(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """The routes and the auto dtype are kept per version of the kernels' sources: an edited kernel
+    (an upgrade) is measured again, not served by the last version's timings."""
+    import shutil
+
+    from ladle.model import dtype
+    from ladle.model.kernels import routing
+
+    if not loader.enabled():
+        pytest.skip("LADLE_NATIVE_KERNELS=0 in the environment")
+    sources = tmp_path / "kernels"
+    shutil.copytree(loader.KERNELS_DIR, sources, ignore=shutil.ignore_patterns("*.py", "__pycache__"))
+    monkeypatch.setattr(loader, "KERNELS_DIR", sources)
+    key = ("avx2", torch.float32, ((80, 48), (48, 80)))
+
+    def kept_files() -> tuple:
+        loader.sources_digest.cache_clear()
+        return routing.routes_file("avx2", key), dtype.auto_choice_file()
+
+    try:
+        before = kept_files()
+        assert kept_files() == before  # the same sources, the same files
+        header = sources / "canonical_linear.h"
+        header.write_text(header.read_text() + "\n// edited\n")
+        after = kept_files()
+        assert all(a != b and a.parent == b.parent for a, b in zip(after, before))
+    finally:
+        loader.sources_digest.cache_clear()  # the real sources' digest again
+
+
 def test_routes_are_measured_once_per_machine(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
     """A second process (here: the in-process choice forgotten) reads the routes the first measured,
     and measures again once their file is deleted or unreadable."""

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from ladle.model.kernels.loader import build_dir, cpu_flags, native_kernels, write_atomically
+from ladle.model.kernels.loader import build_dir, cpu_flags, native_kernels, sources_digest, write_atomically
 from ladle.model.kernels.routing import ROUNDS, interleaved_seconds, is_steady
 
 logger = logging.getLogger(__name__)
@@ -100,9 +100,11 @@ def _auto_on_this_machine() -> DtypeChoice:
 
 
 def auto_choice_file() -> Path:
-    """Where this machine's `auto` choice is kept: beside its native kernels, or (without them)
-    in the torch build's folder."""
-    return (build_dir() if native_kernels() is not None else build_dir("torch")) / "dtype-auto.json"
+    """Where this machine's `auto` choice is kept: beside its native kernels, under their sources'
+    digest (changed kernels decide again), or (without them) in the torch build's folder."""
+    if native_kernels() is None:
+        return build_dir("torch") / "dtype-auto.json"
+    return build_dir() / f"dtype-auto-{sources_digest()}.json"
 
 
 def _auto(flags: set[str]) -> DtypeChoice:

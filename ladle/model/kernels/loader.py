@@ -13,6 +13,7 @@ failure to build or load logs one warning and leaves callers on their torch path
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -35,7 +36,8 @@ AMX_FLAGS = {"amx_tile", "amx_bf16"}
 # Compiler flags per instruction set: the host's own (-march=native) with the higher sets masked off.
 _ISA_FLAGS = {"amx": [], "avx512": [], "avx2": ["-mno-avx512f"], "scalar": ["-mno-avx"]}
 _NO_AMX = ["-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8"]  # given only where the host has AMX
-_SOURCES = sorted(Path(__file__).parent.glob("*.cpp"))
+KERNELS_DIR = Path(__file__).parent
+_SOURCES = sorted(KERNELS_DIR.glob("*.cpp"))
 _lock = threading.Lock()
 _loaded = False
 _kernels: NativeKernels | None = None
@@ -104,6 +106,16 @@ def reset() -> None:
     global _loaded, _kernels
     with _lock:
         _loaded, _kernels = False, None
+
+
+@functools.cache
+def sources_digest() -> str:
+    """The kernels' sources (every .cpp and .h in KERNELS_DIR) as 12 hex digits. What is measured on one
+    build (the matmul routes, the auto dtype) is kept under it, so changed kernels are measured again."""
+    digest = hashlib.sha1()
+    for path in sorted([*KERNELS_DIR.glob("*.cpp"), *KERNELS_DIR.glob("*.h")]):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:12]
 
 
 def build_dir(isa: str | None = None) -> Path:

@@ -17,7 +17,8 @@ kernel that streams it once wins; at 16 or 64 rows the FLOPs start to count, and
 wider register tiles (or oneDNN's) may win instead. So decode-sized calls are measured in
 ROW_BUCKETS (1, 2-4, 5-16, 17-64 rows, each timed at its largest), prompt-sized ones at
 PREFILL_ROWS, and each bucket gets its own winner. The choice is kept per machine, beside the
-kernels built for it (`matmul-routes/<dtype and shapes>.json`; delete it to measure again), as
+kernels built for it and their sources (`matmul-routes/<dtype and shapes>.json`; delete it to measure
+again), as
 the dtype choice is: a restart computes the same way, and a second engine does not re-measure.
 
 A busy machine must not decide for a quiet one: the candidates are timed in interleaved rounds
@@ -112,10 +113,11 @@ def _measure_and_keep(native: NativeKernels, key: tuple, weights: list[torch.Ten
 
 
 def routes_file(isa: str, key: tuple) -> Path:
-    """Where the routes for these weights (dtype and shapes) are kept on this machine."""
-    from ladle.model.kernels.loader import build_dir
+    """Where the routes for these weights (dtype and shapes) are kept on this machine, for these kernels'
+    sources: changed kernels are measured again."""
+    from ladle.model.kernels.loader import build_dir, sources_digest
 
-    digest = hashlib.sha1(repr(key[1:]).encode()).hexdigest()[:16]
+    digest = hashlib.sha1(repr((sources_digest(), *key[1:])).encode()).hexdigest()[:16]
     return build_dir(isa) / "matmul-routes" / f"{str(key[1]).removeprefix('torch.')}-{digest}.json"
 
 
