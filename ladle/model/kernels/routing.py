@@ -18,8 +18,7 @@ wider register tiles (or oneDNN's) may win instead. So decode-sized calls are me
 ROW_BUCKETS (1, 2-4, 5-16, 17-64 rows, each timed at its largest), prompt-sized ones at
 PREFILL_ROWS, and each bucket gets its own winner. The choice is kept per machine, beside the
 kernels built for it and their sources (`matmul-routes/<dtype and shapes>.json`; delete it to measure
-again), as
-the dtype choice is: a restart computes the same way, and a second engine does not re-measure.
+again), as the dtype choice is: a restart computes the same way, and a second engine does not re-measure.
 
 A busy machine must not decide for a quiet one: the candidates are timed in interleaved rounds
 (each round times every candidate once, and each keeps its fastest), so a burst of load slows
