@@ -181,7 +181,7 @@ def nucleus_sampler(how: str) -> Sampler:
         native = kernels.native_kernels()
         if native is None:
             pytest.skip("LADLE_NATIVE_KERNELS=0 in the environment")
-        return Sampler(0, keep_nucleus=native.keep_nucleus)
+        return Sampler(0, keep_nucleus=native.keep_nucleus, argmax=native.argmax)
     return Sampler(0, None if how == "sorted" else int(how.split("-")[1]))
 
 
@@ -217,7 +217,8 @@ def test_a_mixed_batch_follows_the_reference(nucleus: str) -> None:
     assert sample(MIXED, z)[0][BAD_WORDS_ROW][0] == 14
 
 
-def test_greedy_is_the_argmax_of_the_penalised_logits() -> None:
+@pytest.mark.parametrize("argmax", ["torch", "native"])
+def test_greedy_is_the_argmax_of_the_penalised_logits(argmax: str) -> None:
     gen = torch.Generator().manual_seed(1)
     z = torch.randn(64, V, generator=gen) * 3
     rows = []
@@ -228,7 +229,7 @@ def test_greedy_is_the_argmax_of_the_penalised_logits() -> None:
         rows.append(Row(SP(temperature=0.0, repetition_penalty=0.5 + 1.5 * pick[0], presence_penalty=pick[1] - 0.5,
                            frequency_penalty=pick[2] - 0.5, min_tokens=20 if pick[3] < 0.3 else 0,
                            stop_token_ids=[best]), output=output))
-    tokens = [t for t, _ in sample(rows, z)[0]]
+    tokens = [t for t, _ in sample(rows, z, sampler=Sampler(0) if argmax == "torch" else nucleus_sampler("native"))[0]]
     assert tokens == [int(reference_logits(z[i], r.params, r.output).argmax()) for i, r in enumerate(rows)]
     assert sum(t != int(z[i].argmax()) for i, t in enumerate(tokens)) >= 16  # the penalties changed many
 
@@ -297,13 +298,34 @@ def test_the_nucleus_kernel_keeps_what_a_float64_sort_keeps() -> None:
     assert torch.equal(off, probs)  # top_p 1 (or off) keeps every token
 
 
-def test_the_cpu_samples_top_p_on_the_kernel_and_a_gpu_sorts() -> None:
+def test_the_argmax_kernel_is_torchs() -> None:
+    """The first of equal maxima, the first NaN before any number, index 0 for a row of -inf, rows of
+    every length around the 8-lane vector and a 150k vocabulary, strided rows."""
+    native = kernels.native_kernels()
+    if native is None:
+        pytest.skip("LADLE_NATIVE_KERNELS=0 in the environment")
+    gen = torch.Generator().manual_seed(6)
+    for vocab in (1, 7, 8, 9, 16, 17, 151_936):
+        x = torch.randn(8, vocab, generator=gen)
+        x[1] = -math.inf
+        x[2] = 0.5  # all equal
+        x[3, vocab // 3], x[3, -1] = 9.0, 9.0  # a tie at the top
+        x[4, vocab // 2], x[4, -1] = math.nan, math.nan
+        x[5, -1] = math.inf
+        assert torch.equal(native.argmax(x), x.argmax(-1)), vocab
+    wide = torch.randn(5, 300, generator=gen)
+    assert torch.equal(native.argmax(wide[:, :257]), wide[:, :257].argmax(-1))  # rows 300 apart
+
+
+def test_the_cpu_samples_on_its_kernels_and_a_gpu_on_torch() -> None:
     from ladle.platform.cpu import CpuPlatform
     from ladle.platform.cuda import CudaPlatform
 
     native = kernels.native_kernels()
     assert CpuPlatform().nucleus_kernel == (native.keep_nucleus if native is not None else None)
+    assert CpuPlatform().argmax_kernel == (native.argmax if native is not None else None)
     assert CudaPlatform.nucleus_kernel.fget(None) is None and CudaPlatform.top_p_head is None
+    assert CudaPlatform.argmax_kernel.fget(None) is None
 
 
 def test_seeded_rows_draw_the_reference_distribution() -> None:

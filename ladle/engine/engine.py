@@ -117,7 +117,8 @@ class LLMEngine:
         self.max_model_len = min(model_len, pool_tokens, self.model_config.max_position_embeddings)
         self.kv_events = self._start_kv_events()
         self.scheduler = Scheduler(config, self.kv)
-        self.sampler = Sampler(config.seed, self.platform.top_p_head, self.platform.nucleus_kernel)
+        self.sampler = Sampler(config.seed, self.platform.top_p_head, self.platform.nucleus_kernel,
+                               self.platform.argmax_kernel)
         if config.kv_offload_gib > 0:
             self._start_offload()
         self.loras = self._start_lora() if config.enable_lora else None

@@ -71,6 +71,7 @@ class BatchSettings:
     counts: torch.Tensor  # ... with how often it was generated
     seeded: list[int]  # sampled rows with their own generator
     unseeded: bool  # some sampled row draws from the shared generator
+    all_sampled: bool  # every row draws (no argmax needed)
     any_constrained: bool
     any_min_p: bool
     max_top_k: int  # 0: no row uses top_k
@@ -94,8 +95,9 @@ class BatchSettings:
                    restricted.bool(), *masked,
                    seeded=[i for i, s in enumerate(seqs) if sampled[i] and s.generator is not None],
                    unseeded=any(sampled[i] and s.generator is None for i, s in enumerate(seqs)),
-                   any_constrained=any(s.grammar is not None for s in seqs), any_min_p=any(p.min_p > 0.0 for p in ps), max_top_k=max(top_k),
-                   any_top_p=any(p.top_p < 1.0 for p in ps))
+                   all_sampled=all(sampled),
+                   any_constrained=any(s.grammar is not None for s in seqs), any_min_p=any(p.min_p > 0.0 for p in ps),
+                   max_top_k=max(top_k), any_top_p=any(p.top_p < 1.0 for p in ps))
 
     @property
     def penalised(self) -> bool:
@@ -201,12 +203,14 @@ def _past_the_run(ordered: torch.Tensor, order: torch.Tensor, top_p: torch.Tenso
 
 
 class Sampler:
-    def __init__(self, seed: int = 0, top_p_head: int | None = None, keep_nucleus: NucleusKernel | None = None):
-        """top_p_head and keep_nucleus: how top_p's nucleus is found (see distribution), the platform's
-        choice."""
+    def __init__(self, seed: int = 0, top_p_head: int | None = None, keep_nucleus: NucleusKernel | None = None,
+                 argmax: Callable[[torch.Tensor], torch.Tensor] | None = None):
+        """top_p_head and keep_nucleus: how top_p's nucleus is found (see distribution); argmax: a kernel
+        for the greedy rows' argmax (None: torch's). The platform's choices."""
         self.seed = seed
         self.top_p_head = top_p_head
         self.keep_nucleus = keep_nucleus
+        self.argmax = argmax or (lambda x: x.argmax(-1))
         self.shared_generator: torch.Generator | None = None  # made on the device of the first logits
 
     @torch.inference_mode()
@@ -219,11 +223,11 @@ class Sampler:
             apply_grammar_masks(logits, constrained, [seqs[i].grammar for i in constrained])
         settings = BatchSettings.of(seqs, logits.shape[-1], logits.device)
         x = penalise(logits, settings)
-        tokens = x.argmax(-1)
+        tokens = None if settings.all_sampled else self.argmax(x)
         if settings.seeded or settings.unseeded:
             probs = distribution(x, settings, self.top_p_head, self.keep_nucleus)
             drawn = self._draw(probs, seqs, settings)
-            tokens = torch.where(settings.greedy, tokens, drawn)
+            tokens = drawn if tokens is None else torch.where(settings.greedy, tokens, drawn)
         tokens = torch.where(settings.forced >= 0, settings.forced, tokens)
         return _to_host(tokens, logits, [s.params.logprobs for s in seqs])
 

@@ -48,6 +48,11 @@ class Platform(ABC):
         return None
 
     @property
+    def argmax_kernel(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """A kernel for the greedy rows' argmax over float32 logits (sampler); None: torch's."""
+        return None
+
+    @property
     def graphs(self) -> bool:
         """Whether decode steps can replay captured graphs here."""
         return False

@@ -46,17 +46,24 @@ class CpuPlatform(Platform):
     def kernels(self) -> str:
         if self.attention == "triton":
             return "triton (interpreted on the CPU)"
-        from ladle.model import kernels
-
-        native = kernels.native_kernels()
+        native = self._native()
         return native.isa if native is not None else "torch"
 
     @property
     def nucleus_kernel(self) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
+        native = self._native()
+        return native.keep_nucleus if native is not None else None
+
+    @property
+    def argmax_kernel(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        native = self._native()
+        return native.argmax if native is not None else None  # torch's argmax: a scalar loop, 8x slower
+
+    @staticmethod
+    def _native():
         from ladle.model import kernels
 
-        native = kernels.native_kernels()
-        return native.keep_nucleus if native is not None else None
+        return kernels.native_kernels()
 
     def describe(self) -> str:
         return f"cpu ({os.cpu_count()} cores)"

@@ -98,6 +98,9 @@ class NativeKernels:
         self._keep_nucleus = lib.ladle_keep_nucleus
         self._keep_nucleus.argtypes = [ptr, ptr, i64, i64, ctypes.c_int]
         self._keep_nucleus.restype = None
+        self._argmax = lib.ladle_argmax
+        self._argmax.argtypes = [ptr, i64, i64, i64, ptr, ctypes.c_int]
+        self._argmax.restype = None
         lib.ladle_isa.restype = ctypes.c_char_p
         self.isa: str = lib.ladle_isa().decode()
         self._amx_linear = lib.ladle_amx_linear
@@ -349,9 +352,18 @@ class NativeKernels:
         fn(gate_up.data_ptr(), gate_up.stride(0), rows, n, torch.get_num_threads())
         return gate_up[:, :n]
 
+    def argmax(self, x: torch.Tensor) -> torch.Tensor:
+        """torch.argmax(x, -1) for float32 rows x [B, V] (rows may be strided; the first of equal values,
+        a NaN first), in one vectorised pass a row (sampling.cpp)."""
+        if x.dtype != torch.float32 or x.dim() != 2 or x.stride(1) != 1 or not x.is_cpu:
+            raise ValueError(f"argmax takes float32 CPU rows with contiguous values, not {tuple(x.shape)} {x.dtype}")
+        tokens = torch.empty(x.shape[0], dtype=torch.int64)
+        self._argmax(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], tokens.data_ptr(), torch.get_num_threads())
+        return tokens
+
     def keep_nucleus(self, probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
         """Each row of probs [B, V] (contiguous float32, non-negative) with its probabilities outside the
-        nucleus of top_p [B] (1 or more, inf: off) set to 0, in place; returns probs (nucleus.cpp)."""
+        nucleus of top_p [B] (1 or more, inf: off) set to 0, in place; returns probs (sampling.cpp)."""
         if probs.dtype != torch.float32 or probs.dim() != 2 or not probs.is_contiguous() or not probs.is_cpu:
             raise ValueError(f"probs must be a contiguous float32 CPU matrix, not {tuple(probs.shape)} {probs.dtype}")
         top_p = top_p.to(torch.float32).contiguous()
