@@ -74,15 +74,20 @@ def bf16_operands(rows: int, k: int, n: int) -> tuple[torch.Tensor, torch.Tensor
     return x, w, torch.randn(n, generator=gen).bfloat16()
 
 
+def build_emulated(source: Path, tmp_path_factory: pytest.TempPathFactory, flags: tuple[str, ...] = ()) -> ctypes.CDLL:
+    """`source` compiled alone with LADLE_AMX_EMULATE (its AMX code on tiles in software), loaded."""
+    if shutil.which("g++") is None or loader.platform.machine() != "x86_64":
+        pytest.skip("needs g++ on x86")
+    lib = tmp_path_factory.mktemp("amx_emulated") / f"lib{source.stem}.so"
+    subprocess.run(["g++", "-O2", "-std=c++20", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=off", *flags,
+                    "-DLADLE_AMX_EMULATE", str(source), "-o", str(lib)], check=True, capture_output=True)
+    return ctypes.CDLL(str(lib))
+
+
 @pytest.fixture(scope="module")
 def emulated_amx(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
     """amx_linear.cpp built on tiles in software (LADLE_AMX_EMULATE): the kernel's own code, any CPU."""
-    if shutil.which("g++") is None or loader.platform.machine() != "x86_64":
-        pytest.skip("needs g++ on x86")
-    lib = tmp_path_factory.mktemp("amx") / "libamx_emulated.so"
-    subprocess.run(["g++", "-O2", "-std=c++20", "-fPIC", "-shared", "-fopenmp", "-DLADLE_AMX_EMULATE", str(SOURCE),
-                    "-o", str(lib)], check=True, capture_output=True)
-    emulated = ctypes.CDLL(str(lib))
+    emulated = build_emulated(SOURCE, tmp_path_factory)
     emulated.ladle_amx_linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
     assert emulated.ladle_amx_ready() == 1
     return emulated
@@ -112,14 +117,8 @@ def test_the_kernel_on_emulated_tiles_against_float64(emulated_amx, rows: int, k
 
 @pytest.fixture(scope="module")
 def emulated_int8(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
-    """int8_dot.cpp built with its AMX path on emulated tiles, beside its own dot-product path."""
-    if shutil.which("g++") is None or loader.platform.machine() != "x86_64":
-        pytest.skip("needs g++ on x86")
-    lib = tmp_path_factory.mktemp("amx_int8") / "libint8_emulated.so"
-    subprocess.run(["g++", "-O2", "-std=c++20", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=off", "-march=native",
-                    "-mno-avx512f", "-DLADLE_AMX_EMULATE", str(SOURCE.parent / "int8_dot.cpp"), "-o", str(lib)],
-                   check=True, capture_output=True)
-    emulated = ctypes.CDLL(str(lib))
+    """int8_dot.cpp built with its AMX path on emulated tiles, beside its own dot-product path (AVX2)."""
+    emulated = build_emulated(SOURCE.parent / "int8_dot.cpp", tmp_path_factory, ("-march=native", "-mno-avx512f"))
     for name in ("ladle_int8_amx_linear", "ladle_int8_dot_linear"):
         getattr(emulated, name).argtypes = [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 4 + \
             [ctypes.c_int64] * 3 + [ctypes.c_int]

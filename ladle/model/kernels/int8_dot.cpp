@@ -194,6 +194,17 @@ void tile_rows(int64_t rows, const QuantisedRows& x, int64_t row, const uint8_t*
   }
 }
 
+// Every path's last step: rows of sums (ld apart) for columns [col0, col0 + cols) into y (rows n apart),
+// each times its column's weight scale, plus the bias.
+void store_outputs(const float* sums, int64_t ld, int64_t rows, const float* scales, const float* bias, float* y,
+                   int64_t n, int64_t col0, int64_t cols) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t j = 0; j < cols; ++j) {
+      const float v = sums[r * ld + j] * scales[col0 + j];
+      y[r * n + col0 + j] = bias ? v + bias[col0 + j] : v;
+    }
+}
+
 // Panels [first, end) for every row: each panel group is read from memory once and serves all
 // row tiles from cache.
 void panel_range(const QuantisedRows& x, int64_t m, const uint8_t* packed, const float* scales, const float* bias,
@@ -208,15 +219,8 @@ void panel_range(const QuantisedRows& x, int64_t m, const uint8_t* packed, const
       const int64_t rows = std::min<int64_t>(kMaxRows, m - row);
       if (panels == kWide) tile_rows<kWide>(rows, x, row, w, stride, c);
       else tile_rows<1>(rows, x, row, w, stride, c);
-      const int64_t col0 = p * kPanel, cols = std::min(panels * kPanel, n - col0);
-      for (int64_t r = 0; r < rows; ++r) {
-        float* out = y + (row + r) * n + col0;
-        const float* sums = c + r * panels * kPanel;
-        for (int64_t j = 0; j < cols; ++j) {
-          const float v = sums[j] * scales[col0 + j];
-          out[j] = bias ? v + bias[col0 + j] : v;
-        }
-      }
+      const int64_t col0 = p * kPanel;
+      store_outputs(c, panels * kPanel, rows, scales, bias, y + row * n, n, col0, std::min(panels * kPanel, n - col0));
     }
     p += panels;
   }
@@ -319,12 +323,8 @@ void amx_panel_range(const QuantisedRows& x, int m0, int m1, const uint8_t* pack
       fold_block(x, b, m0, m, panels, sums, acc);
     }
     for (int pp = 0; pp < panels; ++pp) {
-      const int64_t col0 = (p + pp) * kPanel, cols = std::min<int64_t>(kPanel, n - col0);
-      for (int r = 0; r < m; ++r)
-        for (int64_t j = 0; j < cols; ++j) {
-          const float v = acc[pp][r * kPanel + j] * scales[col0 + j];
-          y[r * n + col0 + j] = bias ? v + bias[col0 + j] : v;
-        }
+      const int64_t col0 = (p + pp) * kPanel;
+      store_outputs(acc[pp], kPanel, m, scales, bias, y, n, col0, std::min<int64_t>(kPanel, n - col0));
     }
   }
   TILE_RELEASE();

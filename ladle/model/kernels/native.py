@@ -4,6 +4,7 @@ are checked or shaped here, the C++ trusts them. ladle.model.kernels.loader buil
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 
 import torch
 
@@ -27,6 +28,21 @@ def _sink_ptr(sinks: torch.Tensor | None, heads: int) -> int | None:
         raise ValueError(f"sinks must be a contiguous float32 CPU tensor of {heads} logits, not {tuple(sinks.shape)} "
                          f"{sinks.dtype}")
     return sinks.data_ptr()
+
+
+def _check_dot_panels(packed: torch.Tensor, k: int) -> None:
+    if packed.shape[1] * 4 != k:
+        raise ValueError(f"int8 dot panels of {packed.shape[1] * 4} inputs do not take rows of {k}")
+
+
+def _in_tile_calls(kernel: str, isa: str, rows: int, call: Callable[[int, int], int]) -> None:
+    """call(first, part) for `rows` rows in parts of AMX_MAX_ROWS; an AMX kernel's failure status raised
+    with its reason."""
+    for first in range(0, rows, AMX_MAX_ROWS):
+        status = call(first, min(AMX_MAX_ROWS, rows - first))
+        if status:
+            why = {-2: f"the kernels were not built for {isa}", -3: "Linux did not grant the AMX tile state"}
+            raise RuntimeError(f"{kernel}: {why.get(status, status)}")
 
 
 class NativeKernels:
@@ -219,8 +235,7 @@ class NativeKernels:
         dot products with each row of x quantised to 8 bits per block of 32 inputs (int8_dot.cpp):
         a row's bits never depend on M or the instruction set."""
         rows, k = x.shape
-        if packed.shape[1] * 4 != k:  # (a decode step's every linear comes here: one check only)
-            raise ValueError(f"int8 dot panels of {packed.shape[1] * 4} inputs do not take rows of {k}")
+        _check_dot_panels(packed, k)  # (a decode step's every linear comes here: one check only)
         y = torch.empty(rows, out_features)
         self._int8_dot_linear(x.data_ptr(), x.stride(0), packed.data_ptr(), scales.data_ptr(),
                               None if bias is None else bias.data_ptr(), y.data_ptr(), rows, k, out_features,
@@ -300,17 +315,12 @@ class NativeKernels:
         """int8_dot_linear's product, the same bits, on AMX tiles (int8_dot.cpp); rows in calls of
         AMX_MAX_ROWS."""
         rows, k = x.shape
-        if packed.shape[1] * 4 != k:
-            raise ValueError(f"int8 dot panels of {packed.shape[1] * 4} inputs do not take rows of {k}")
+        _check_dot_panels(packed, k)
         y = torch.empty(rows, out_features)
-        for first in range(0, rows, AMX_MAX_ROWS):
-            part = min(AMX_MAX_ROWS, rows - first)
-            status = self._int8_amx_linear(x[first].data_ptr(), x.stride(0), packed.data_ptr(), scales.data_ptr(),
-                                           None if bias is None else bias.data_ptr(), y[first].data_ptr(), part, k,
-                                           out_features, torch.get_num_threads())
-            if status:
-                why = {-2: "the kernels were not built for AMX-INT8", -3: "Linux did not grant the AMX tile state"}
-                raise RuntimeError(f"int8_amx_linear: {why.get(status, status)}")
+        _in_tile_calls("int8_amx_linear", "AMX-INT8", rows, lambda first, part: self._int8_amx_linear(
+            x[first].data_ptr(), x.stride(0), packed.data_ptr(), scales.data_ptr(),
+            None if bias is None else bias.data_ptr(), y[first].data_ptr(), part, k, out_features,
+            torch.get_num_threads()))
         return y
 
     def amx_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -319,13 +329,9 @@ class NativeKernels:
         rows, k = x.shape
         n = weight.shape[0]
         y = torch.empty(rows, n, dtype=torch.bfloat16)
-        for first in range(0, rows, AMX_MAX_ROWS):
-            part = min(AMX_MAX_ROWS, rows - first)
-            status = self._amx_linear(x[first].data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(),
-                                      y[first].data_ptr(), part, k, n, torch.get_num_threads())
-            if status:
-                why = {-2: "the kernels were not built for AMX", -3: "Linux did not grant the AMX tile state"}
-                raise RuntimeError(f"amx_linear: {why.get(status, status)}")
+        _in_tile_calls("amx_linear", "AMX", rows, lambda first, part: self._amx_linear(
+            x[first].data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), y[first].data_ptr(),
+            part, k, n, torch.get_num_threads()))
         return y
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
