@@ -10,7 +10,8 @@
   steps    a decode step at batch 1, 8 and 16 (greedy), and at 16 sampled at temperature 0.8 and
            top-p 0.95, split into matmul / attention / the rest, each step against the bandwidth
            bound (every weight byte read once per step), beside the matmul route per row bucket the
-           start-up measurement chose
+           start-up measurement chose; the decoder layers in the native loop and in Python, side by
+           side, where the model takes the loop
 
 Each dtype of --dtype runs all cases (transformers in the same dtype).
 
@@ -132,6 +133,7 @@ class StepParts:
     step_s: float = 0.0
     matmul_s: float = 0.0
     attention_s: float = 0.0
+    looped: int = 0  # steps the native layer loop ran
 
     def per_step_ms(self) -> dict[str, float]:
         step, matmul, attention = (x / self.steps * 1000 for x in (self.step_s, self.matmul_s, self.attention_s))
@@ -155,6 +157,9 @@ def timed_decode_steps(llm: LLM):
     depth = {"matmul": 0, "attention": 0}
     engine, runner = llm.engine, llm.engine.runner
     backend = runner.model.attention
+    loop = getattr(runner.model, "decode_loop", None)  # the native layer loop times its own matmuls and attention
+    if loop is not None:
+        loop.seconds = torch.zeros(2, dtype=torch.float64)
 
     def timed(part: str, fn):
         def call(*a, **k):
@@ -174,13 +179,18 @@ def timed_decode_steps(llm: LLM):
 
     def step():
         this_step.update(matmul=0.0, attention=0.0, decode=False)
+        if loop is not None:
+            loop.seconds.zero_()
+        looped = loop.steps if loop is not None else 0
         t = time.perf_counter()
         out = engine_step()
         if this_step["decode"]:
+            inside = loop.seconds.tolist() if loop is not None else (0.0, 0.0)
             total.steps += 1
             total.step_s += time.perf_counter() - t
-            total.matmul_s += this_step["matmul"]
-            total.attention_s += this_step["attention"]
+            total.matmul_s += this_step["matmul"] + inside[0]
+            total.attention_s += this_step["attention"] + inside[1]
+            total.looped += (loop.steps if loop is not None else 0) - looped
         return out
 
     calls = {cls: vars(cls)["__call__"] for cls in linear_classes()}
@@ -196,31 +206,55 @@ def timed_decode_steps(llm: LLM):
             cls.__call__ = fn
         # the instance attributes go; the class's methods show again
         del backend.attend, backend.write_kv, engine.step, runner.execute
+        if loop is not None:
+            loop.seconds = None
 
 
 SAMPLED = dict(temperature=0.8, top_p=0.95)  # a chat client's settings, beside greedy
 
 
-def decode_step_split(llm: LLM, batch: int, steps: int, sampled: bool = False) -> dict[str, float]:
+def decode_step_split(llm: LLM, batch: int, steps: int, sampled: bool = False,
+                      layer_loop: bool = True) -> dict[str, float]:
     """ms per decode step at `batch` running sequences, split into matmul, attention and the rest (the
-    engine's scheduling, sampling and the model's other ops); greedy, or sampled with SAMPLED."""
+    engine's scheduling, sampling and the model's other ops); greedy, or sampled with SAMPLED. layer_loop:
+    the decoder layers in the native loop (ladle.model.decode_loop) where the model has one, else in Python."""
     rng = random.Random(3 + batch)
     prompts = [random_prompt_ids(rng, 32) for _ in range(batch)]
     how = dict(SAMPLED, seed=0) if sampled else dict(temperature=0.0)
-    llm.generate(prompts, SamplingParams(max_tokens=2, ignore_eos=True, **how))  # warm-up
-    with timed_decode_steps(llm) as parts:
-        llm.generate(prompts, SamplingParams(max_tokens=steps + 1, ignore_eos=True, **how))
+    model = llm.engine.runner.model
+    loop = getattr(model, "decode_loop", None)
+    if not layer_loop:
+        model.decode_loop = None
+    try:
+        llm.generate(prompts, SamplingParams(max_tokens=2, ignore_eos=True, **how))  # warm-up
+        with timed_decode_steps(llm) as parts:
+            llm.generate(prompts, SamplingParams(max_tokens=steps + 1, ignore_eos=True, **how))
+    finally:
+        model.decode_loop = loop
     if parts.steps < steps:
         raise RuntimeError(f"expected {steps} decode steps at batch {batch}, timed {parts.steps}")
-    return parts.per_step_ms()
+    # the loop leaves to Python the steps it cannot take exactly as Python would (a matmul routed to torch)
+    return {**parts.per_step_ms(), "loop_pct": 100 * parts.looped / parts.steps}
 
 
-def print_step_split(rows: dict[int, dict[str, float]], bound_ms: float) -> None:
-    print("| batch | step ms | matmul ms | attention ms | rest ms | non-matmul share | step / bandwidth bound |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
-    for batch, r in rows.items():
-        print(f"| {batch} | {r['step_ms']:.1f} | {r['matmul_ms']:.1f} | {r['attention_ms']:.1f} | {r['rest_ms']:.1f} "
-              f"| {r['non_matmul_pct']:.0f}% | {r['step_ms'] / bound_ms:.2f}x |")
+def print_step_split(rows: dict[str, dict[str, float]], bound_ms: float) -> None:
+    print("| batch | layers | step ms | matmul ms | attention ms | rest ms | non-matmul share "
+          "| step / bandwidth bound | step / roofline |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for label, r in rows.items():
+        batch, layers = label.split(", ")
+        if layers != "Python":
+            layers += f" ({r['loop_pct']:.0f}% of steps)"
+        print(f"| {batch} | {layers} | {r['step_ms']:.1f} | {r['matmul_ms']:.1f} | {r['attention_ms']:.1f} "
+              f"| {r['rest_ms']:.1f} | {r['non_matmul_pct']:.0f}% | {r['step_ms'] / bound_ms:.2f}x "
+              f"| {r['roofline_ratio']:.2f}x |")
+
+
+def step_flops(llm: LLM, batch: int) -> float:
+    """A decode step's matmul FLOPs at `batch` rows (the linear layers and the LM head; attention's are few)."""
+    c, m = llm.engine.model_config, llm.engine.runner.model
+    linear_params = sum(lin.out_features * lin.in_features for layer in m.layers for lin in layer.linears)
+    return 2 * (linear_params + c.vocab_size * c.hidden_size) * batch
 
 
 def prefill_tok_s(llm: LLM, n: int = 8, prompt_len: int = 512) -> float:
@@ -288,17 +322,30 @@ def run_dtype(dtype: str, args: argparse.Namespace, cases: list[str]) -> dict:
         bw = read_bandwidth_gbs()
         wb = weight_bytes_per_token(llm)
         bound_ms = wb / (bw * 1e9) * 1000
+        compute_ms = {b: step_flops(llm, b) / (gflops * 1e9) * 1000 for b in STEP_BATCHES}
         rows = {}
+        paths = ["native loop", "Python"] if getattr(llm.engine.runner.model, "decode_loop", None) else ["Python"]
         for batch, sampled in [(b, False) for b in STEP_BATCHES] + [(STEP_BATCHES[-1], True)]:
-            r = decode_step_split(llm, batch, 4 if args.quick else 64, sampled)
-            r["non_matmul_pct"] = 100 * (r["step_ms"] - r["matmul_ms"]) / r["step_ms"]
-            r["bound_ratio"] = r["step_ms"] / bound_ms
-            label = f"{batch} sampled" if sampled else str(batch)
-            rows[label] = r
-            print(f"  batch {label}: {r['step_ms']:.1f} ms/step", flush=True)
-        print(f"  bandwidth bound: {wb / 1e6:.0f} MB of weights / {bw:.1f} GB/s = {bound_ms:.1f} ms per step\n")
+            for path in paths:
+                r = decode_step_split(llm, batch, 4 if args.quick else 64, sampled, layer_loop=path != "Python")
+                r["non_matmul_pct"] = 100 * (r["step_ms"] - r["matmul_ms"]) / r["step_ms"]
+                r["bound_ratio"] = r["step_ms"] / bound_ms
+                r["roofline_ratio"] = r["step_ms"] / max(bound_ms, compute_ms[batch])
+                label = f"{batch} sampled, {path}" if sampled else f"{batch}, {path}"
+                rows[label] = r
+                print(f"  batch {label}: {r['step_ms']:.1f} ms/step", flush=True)
+        print(f"  bandwidth bound: {wb / 1e6:.0f} MB of weights / {bw:.1f} GB/s = {bound_ms:.1f} ms per step")
+        print(f"  compute bound (matmul FLOPs at torch's GEMM rate, {gflops:.0f} GFLOP/s): "
+              + ", ".join(f"batch {b} {ms:.1f} ms" for b, ms in compute_ms.items())
+              + "; the roofline is the larger of the two bounds\n")
         print_step_split(rows, bound_ms)
+        if len(paths) == 2:
+            loop_ms = {label.split(", ")[0]: r["step_ms"] for label, r in rows.items() if label.endswith("loop")}
+            ratios = [f"{label.split(', ')[0]} {r['step_ms'] / loop_ms[label.split(', ')[0]]:.2f}x"
+                      for label, r in rows.items() if label.endswith(", Python")]
+            print(f"\nnative layer loop against the Python layers (step time, Python / loop): {', '.join(ratios)}")
         report["steps"] = {"route": routing.table(), "measured": routing.measured, "bound_ms": bound_ms,
+                           "compute_bound_ms": compute_ms, "gemm_gflops": gflops,
                            "read_gbs": bw, "weight_mb": wb / 1e6, "by_batch": rows}
     del llm, hf
     gc.collect()

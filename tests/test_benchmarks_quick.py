@@ -45,8 +45,11 @@ SCRIPTS = {
     "throughput": Script(["--model", "{model}", "--dtype", "float32", "--cases", "uniform,steps", "--save",
                           "{tmp}/throughput.json"], [rf"ladle {NUMBER} tok/s \| transformers {NUMBER} tok/s",
                                                      r"route by rows per call: 1 \w+, 2-4 \w+, 5-16 \w+, 17-64 \w+, 65\+",
-                                                     rf"\| 16 \| {NUMBER} \| {NUMBER} \| {NUMBER} \| -?{NUMBER} \| "
-                                                     rf"-?{NUMBER}% \| {NUMBER}x \|"],
+                                                     rf"\| 16 \| native loop \({NUMBER}% of steps\) \| {NUMBER} \| "
+                                                     rf"{NUMBER} \| {NUMBER} \| -?{NUMBER} \| -?{NUMBER}% \| {NUMBER}x \| "
+                                                     rf"{NUMBER}x \|",
+                                                     rf"\| 16 \| Python \| {NUMBER} \|",
+                                                     rf"Python / loop\): 1 {NUMBER}x"],
                          marks=SLOW),
     "quantisation": Script(["--models", "{model}"], [rf"\| int8 per row \| float32 \| {NUMBER} \| [0-9,]+ \| "
                                                      rf"{NUMBER} \({NUMBER}%\)"], marks=SLOW),

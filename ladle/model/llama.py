@@ -22,6 +22,8 @@ from ladle.model import kernels
 from ladle.model.attention import AttentionBackend, AttentionMetadata
 from ladle.model.collectives import Single
 from ladle.model.config import ModelConfig
+from ladle.model.decode_loop import DecodeLoop, plain_layers
+from ladle.model.decode_loop import enabled as decode_loop_enabled
 from ladle.model.kernels.routing import MatmulRouting, choose_routing, forced_routing
 from ladle.model.layers import Linear, RotaryEmbedding
 from ladle.model.linear_attention import LinearAttentionLayer, LinearStatePool, load_linear_attention
@@ -266,6 +268,8 @@ class LlamaForCausalLM:
             self.routing = replace(self.routing, invariant="triton")
         for lin in self.linears:
             lin.routing = self.routing
+        native = kernels.native_kernels() if self.embed.is_cpu else None
+        self.decode_loop = DecodeLoop(self, native) if native and decode_loop_enabled() and plain_layers(self) else None
 
     def _head_dim(self, local: bool) -> int:
         """The head dim of the sliding layers (local) or of the others: Gemma 4's global layers' is wider."""
@@ -292,6 +296,11 @@ class LlamaForCausalLM:
         final norm (an early exit: self-speculative drafting). lora: each row's adapter term is
         added to the projections' outputs (ladle.lora). input_embeds: (rows, embeddings) that stand in for
         those rows' token embeddings (an image's placeholders)."""
+        if self.decode_loop is not None and keep is None and num_layers is None and lora is None \
+                and input_embeds is None:
+            out = self.decode_loop(input_ids, positions, meta)
+            if out is not None:
+                return out
         inv = meta.batch_invariant
         ops = self.ops
         self.attention.prepare(meta)

@@ -117,6 +117,9 @@ class NativeKernels:
         self._argmax = lib.ladle_argmax
         self._argmax.argtypes = [ptr, i64, i64, i64, ptr, ctypes.c_int]
         self._argmax.restype = None
+        self._decode_layers = lib.ladle_decode_layers
+        self._decode_layers.argtypes = [ptr]
+        self._decode_layers.restype = ctypes.c_int
         lib.ladle_isa.restype = ctypes.c_char_p
         self.isa: str = lib.ladle_isa().decode()
         self._amx_linear = lib.ladle_amx_linear
@@ -357,6 +360,14 @@ class NativeKernels:
         fn = self._silu_and_mul_bf16 if gate_up.dtype == torch.bfloat16 else self._silu_and_mul
         fn(gate_up.data_ptr(), gate_up.stride(0), rows, n, torch.get_num_threads())
         return gate_up[:, :n]
+
+    def decode_layers(self, step: ctypes.Structure) -> None:
+        """A decode step's decoder layers (layer_loop.cpp), as ladle.model.decode_loop lays them out."""
+        status = self._decode_layers(ctypes.byref(step))
+        if status == -1:
+            raise IndexError("decode_layers: a slot, block table or position points outside the KV cache")
+        if status:
+            raise ValueError("decode_layers: the head size and block size must be multiples of 8")
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
         """torch.argmax(x, -1) for float32 rows x [B, V] (rows may be strided; the first of equal values,

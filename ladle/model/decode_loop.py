@@ -1,0 +1,203 @@
+"""A decode step's decoder layers in one native call (kernels/layer_loop.cpp), for the plain Llama layers
+(Llama, SmolLM2, Qwen2, Mistral) in float32 on the CPU.
+
+The loop calls the kernels the Python forward would call, with the same operands, in the same order, so
+its outputs have the same bits (tests/test_decode_loop.py holds it to that). What it saves is the host's
+work around them: at one row of a small model, each of a layer's ten kernel calls costs as much in Python
+and ctypes as in arithmetic. A step it cannot take exactly as the Python forward would (a prefill in the
+batch, a matmul routed to torch or AMX, LoRA, kept hidden states) returns None and runs in Python.
+LADLE_LAYER_LOOP=0 turns it off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from ladle.model.kernels.native import NativeKernels
+from ladle.model.layers import Linear
+from ladle.model.quantization import AMX_INT8_ROWS, WIDEN_ROWS, Int8Linear
+
+if TYPE_CHECKING:
+    from ladle.model.attention import AttentionMetadata
+    from ladle.model.llama import LlamaForCausalLM
+
+_ptr, _i64 = ctypes.c_void_p, ctypes.c_int64
+CANONICAL, SMALL, DOT = 0, 1, 2  # layer_loop.cpp's Kernel
+_WEIGHT_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2, torch.uint8: 3}
+_KV_TYPES = {torch.float32: 0, torch.int8: 2, torch.float8_e4m3fn: 3}
+
+
+class LoopLinear(ctypes.Structure):
+    _fields_ = [("kernel", _i64), ("weights", _ptr), ("weight_type", _i64), ("scales", _ptr),
+                ("group_scales", _ptr), ("group_mins", _ptr), ("half", _i64), ("group_size", _i64), ("bias", _ptr),
+                ("k", _i64), ("n", _i64)]
+
+
+class LoopLayer(ctypes.Structure):
+    _fields_ = [("input_norm", _ptr), ("post_attn_norm", _ptr), ("qkv", LoopLinear), ("o", LoopLinear),
+                ("gate_up", LoopLinear), ("down", LoopLinear), ("k_cache", _ptr), ("v_cache", _ptr),
+                ("k_scales", _ptr), ("v_scales", _ptr), ("window", _i64)]
+
+
+class LoopStep(ctypes.Structure):
+    _fields_ = [("layers", _i64), ("layer", ctypes.POINTER(LoopLayer)), ("final_norm", _ptr), ("hidden", _i64),
+                ("heads", _i64), ("kv_heads", _i64), ("head_dim", _i64), ("intermediate", _i64),
+                ("eps", ctypes.c_double), ("scale", ctypes.c_double), ("kv_type", _i64), ("num_blocks", _i64),
+                ("block_size", _i64), ("rows", _i64), ("cos", _ptr), ("sin", _ptr), ("slots", _ptr),
+                ("block_tables", _ptr), ("max_blocks", _i64), ("row_starts", _ptr), ("row_counts", _ptr),
+                ("first_positions", _ptr), ("h", _ptr), ("x", _ptr), ("qkv", _ptr), ("attn", _ptr), ("out", _ptr),
+                ("gate_up", _ptr), ("threads", _i64), ("seconds", _ptr)]
+
+
+def enabled() -> bool:
+    return os.environ.get("LADLE_LAYER_LOOP", "1") != "0"
+
+
+def plain_layers(model: LlamaForCausalLM) -> bool:
+    """Whether every layer is a plain Llama layer in float32 on the CPU: attention with rotary on every head
+    dim, no per-head norms, sinks or gates, a dense SwiGLU MLP; one rank; the CPU's layer ops."""
+    cfg = model.cfg
+    if (cfg.gemma is not None or cfg.hybrid is not None or model.per_layer_inputs is not None
+            or model.embed_scale is not None or model.local_rotary is not None or not model.shard.whole
+            or model.ops.name != "torch" or model.embed.dtype != torch.float32 or not model.embed.is_cpu
+            or model.rotary_dim != cfg.head_dim or cfg.head_dim % 2 or not model.layers):
+        return False
+    linear_kinds = (Linear, Int8Linear)
+    return all(
+        layer.moe is None and layer.linear_attn is None and layer.q_norm is None and layer.k_norm is None
+        and layer.sinks is None and layer.v_norm is None and not layer.k_eq_v and layer.kv_source is None
+        and layer.layer_scalar is None and not layer.attn_gate and layer.attn_out_norm is None
+        and layer.mlp_out_norm is None and layer.per_layer_gate is None
+        and all(type(lin) in linear_kinds for lin in (layer.qkv, layer.o_proj, layer.gate_up, layer.down))
+        and all(t.dtype == torch.float32 and t.is_contiguous() for t in (layer.input_norm, layer.post_attn_norm))
+        and cfg.attention_shape(i) == (cfg.num_key_value_heads, cfg.head_dim)
+        and layer.qkv.out_features == (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim
+        and layer.o_proj.in_features == cfg.num_attention_heads * cfg.head_dim
+        and layer.gate_up.out_features == 2 * layer.down.in_features == 2 * model.layers[0].down.in_features
+        for i, layer in enumerate(model.layers)) and model.norm.dtype == torch.float32 and model.norm.is_contiguous()
+
+
+def _kernel(lin: Linear, rows: int, batch_invariant: bool, strided: bool) -> int | None:
+    """The kernel `lin(x)` runs for `rows` float32 rows (strided: rows not back to back), as Linear.__call__
+    and Int8Linear.__call__ choose it; None where that is not one of the loop's."""
+    if isinstance(lin, Int8Linear):
+        if lin._int8_panels is None or (not batch_invariant and rows > WIDEN_ROWS and lin.routing.prefill == "torch"):
+            return None
+        if lin._dot:
+            return None if lin._kernels.amx_int8 and rows in AMX_INT8_ROWS else DOT
+        return CANONICAL
+    route = lin.routing.invariant if batch_invariant else lin.routing.kernel_for(rows)
+    if route == "canonical":
+        return CANONICAL if lin.packed is not None else None
+    # the small kernel takes whole rows back to back; others go to F.linear (a [1, n] view counts as whole)
+    if route == "small" and lin._native_ok and (rows == 1 or not strided):
+        return SMALL
+    return None
+
+
+def _linear(lin: Linear, kernel: int) -> LoopLinear:
+    bias = lin.bias if kernel == SMALL else lin._bias32
+    out = LoopLinear(kernel=kernel, bias=None if bias is None else bias.data_ptr(), k=lin.in_features,
+                     n=lin.out_features)
+    if kernel == SMALL:
+        out.weights = lin.weight.data_ptr()
+    elif isinstance(lin, Int8Linear):
+        out.weights, out.weight_type = lin._int8_panels.data_ptr(), _WEIGHT_TYPES[lin._int8_panels.dtype]
+        out.scales = None if lin.scales is None else lin.scales.data_ptr()
+        if lin._groups is not None:
+            size, scales, mins = lin._groups
+            out.group_size, out.group_scales, out.half = size, scales.data_ptr(), int(scales.dtype == torch.float16)
+            out.group_mins = None if mins is None else mins.data_ptr()
+    else:
+        out.weights, out.weight_type = lin.packed.data_ptr(), _WEIGHT_TYPES[lin.packed.dtype]
+    return out
+
+
+class DecodeLoop:
+    """Runs a model's decode steps through ladle_decode_layers where it can (see the module docstring)."""
+
+    def __init__(self, model: LlamaForCausalLM, native: NativeKernels):
+        self.model = model
+        self._run = native.decode_layers
+        self._plans: dict[tuple, ctypes.Array] = {}  # by the kernels chosen and the cache's tensors
+        # float64 [matmul, attention (the K/V writes and the attention)]: where set, each step adds its
+        # seconds in them (benchmarks/throughput.py's split of a step)
+        self.seconds: torch.Tensor | None = None
+        self.steps = 0  # decode steps it has run
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                 meta: AttentionMetadata) -> torch.Tensor | None:
+        """The final normed hidden states [T, hidden] of a step of decodes, or None: not a step the loop takes."""
+        attention = self.model.attention
+        cache = getattr(attention, "cache", None)
+        rows = input_ids.shape[0]
+        if (meta.prefills or meta.decode_rows is None or meta.in_step_copies or meta.states is not None
+                or positions.dim() != 1 or cache is None or not getattr(attention, "_prompt_kernel_ok", False)
+                or cache.k[0].dtype not in _KV_TYPES or rows != meta.num_decodes):
+            return None
+        layers = self._plan(rows, meta.batch_invariant)
+        if layers is None:
+            return None
+        out = self._step(layers, input_ids, positions, meta)
+        self.steps += 1
+        return out
+
+    def _plan(self, rows: int, batch_invariant: bool) -> ctypes.Array | None:
+        kinds = []
+        for layer in self.model.layers:
+            for lin, strided in ((layer.qkv, False), (layer.o_proj, False), (layer.gate_up, False), (layer.down, True)):
+                kernel = _kernel(lin, rows, batch_invariant, strided)
+                if kernel is None:
+                    return None
+                kinds.append(kernel)
+        cache = self.model.attention.cache
+        key = (tuple(kinds), cache.k[0].data_ptr())
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = self._layers(kinds)
+        return plan
+
+    def _layers(self, kinds: list[int]) -> ctypes.Array:
+        attention, model = self.model.attention, self.model
+        cache = attention.cache
+        layers = (LoopLayer * len(model.layers))()
+        for i, layer in enumerate(model.layers):
+            c = model.cache_layers[i]
+            qkv, o, gate_up, down = (_linear(lin, kind) for lin, kind in zip(
+                (layer.qkv, layer.o_proj, layer.gate_up, layer.down), kinds[4 * i : 4 * i + 4]))
+            scales = (cache.k_scale[c].data_ptr(), cache.v_scale[c].data_ptr()) if cache.quantized else (None, None)
+            layers[i] = LoopLayer(layer.input_norm.data_ptr(), layer.post_attn_norm.data_ptr(), qkv, o, gate_up, down,
+                                  cache.k[c].data_ptr(), cache.v[c].data_ptr(), *scales, attention.window(c) or 0)
+        return layers
+
+    def _step(self, layers: ctypes.Array, input_ids: torch.Tensor, positions: torch.Tensor,
+              meta: AttentionMetadata) -> torch.Tensor:
+        model, cfg = self.model, self.model.cfg
+        cache = model.attention.cache
+        rows, hidden, d = input_ids.shape[0], cfg.hidden_size, cfg.head_dim
+        heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        intermediate = model.layers[0].down.in_features
+        h = F.embedding(input_ids, model.embed)
+        cos, sin = model.rotary.tables(positions)
+        decodes = meta.decode_rows
+        operands = [t.to(torch.int64).contiguous() for t in (meta.slot_mapping, decodes.block_tables,
+                                                             decodes.row_starts, decodes.row_counts,
+                                                             decodes.first_positions)]
+        x, out = torch.empty(rows, hidden), torch.empty(rows, hidden)
+        qkv = torch.empty(rows, (heads + 2 * kv_heads) * d)
+        attn, gate_up = torch.empty(rows, heads * d), torch.empty(rows, 2 * intermediate)
+        num_blocks, block_size = cache.k[0].shape[:2]
+        step = LoopStep(len(model.layers), layers, model.norm.data_ptr(), hidden, heads, kv_heads, d, intermediate,
+                        cfg.rms_norm_eps, model.attention.scale, _KV_TYPES[cache.k[0].dtype], num_blocks, block_size,
+                        rows, cos.data_ptr(), sin.data_ptr(), operands[0].data_ptr(), operands[1].data_ptr(),
+                        operands[1].shape[1], operands[2].data_ptr(), operands[3].data_ptr(), operands[4].data_ptr(),
+                        h.data_ptr(), x.data_ptr(), qkv.data_ptr(), attn.data_ptr(), out.data_ptr(),
+                        gate_up.data_ptr(), torch.get_num_threads(),
+                        None if self.seconds is None else self.seconds.data_ptr())
+        self._run(step)  # the pointers are the model's and the cache's, and this frame's tensors
+        return x
