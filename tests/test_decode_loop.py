@@ -1,7 +1,7 @@
 """The native decode loop (ladle.model.decode_loop) against the Python layers it stands in for: the same
 tokens and the same logprobs, bit for bit, for every kernel it calls (4-bit and int8 groups, per-row int8
-on the dot kernel and on FMA chains, float panels, the small-row kernel), 8-bit KV caches, sliding
-windows and biases; steps it cannot take left to Python. That the Python layers match transformers is
+on the dot kernel and on FMA chains, float panels, the small-row kernel), in float32 and bfloat16, 8-bit
+KV caches, sliding windows and biases; steps it cannot take left to Python. That the Python layers match transformers is
 test_engine_vs_hf's (which runs the loop too, as the engine does by default)."""
 
 from __future__ import annotations
@@ -54,10 +54,11 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> P
     return build_tiny_model("llama", tmp_path_factory.mktemp("llama"), smollm2_dir)
 
 
-def test_the_embedded_model_on_its_4_bit_and_int8_groups(engine_pool) -> None:
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_embedded_model_on_its_4_bit_and_int8_groups(engine_pool, dtype: str) -> None:
     from ladle.model.loader import default_gguf_path
 
-    check_same_bits(engine_pool.get(default_gguf_path(), dtype="float32", kv_cache_memory_gib=0.25))
+    check_same_bits(engine_pool.get(default_gguf_path(), dtype=dtype, kv_cache_memory_gib=0.25))
 
 
 @pytest.mark.parametrize("env, engine_args", [
@@ -66,12 +67,14 @@ def test_the_embedded_model_on_its_4_bit_and_int8_groups(engine_pool) -> None:
     ({"LADLE_MATMUL": "canonical:canonical"}, {"kv_cache_dtype": "fp8"}),
     ({}, {"quantization": "int8"}),  # per-row int8 on integer dot products
     ({"LADLE_INT8_DOT": "0"}, {"quantization": "int8"}),  # per-row int8 on FMA chains
-], ids=["float", "int8-kv", "fp8-kv", "int8-dot", "int8-chains"])
+    ({"LADLE_MATMUL": "canonical:canonical"}, {"dtype": "bfloat16"}),  # bf16 panels and activations
+    ({"LADLE_INT8_DOT": "0"}, {"quantization": "int8", "dtype": "bfloat16"}),
+], ids=["float", "int8-kv", "fp8-kv", "int8-dot", "int8-chains", "bf16", "bf16-int8-chains"])
 def test_tiny_llama_kernels_and_caches(tiny_llama: Path, monkeypatch: pytest.MonkeyPatch, env: dict,
                                        engine_args: dict) -> None:
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    check_same_bits(LLM(str(tiny_llama), dtype="float32", **engine_args))
+    check_same_bits(LLM(str(tiny_llama), **{"dtype": "float32", **engine_args}))
 
 
 def test_the_small_row_kernel_takes_one_row_and_leaves_strided_rows_to_python(
@@ -122,6 +125,17 @@ def test_a_slot_outside_the_cache_is_refused_as_python_refuses_it(tiny_llama: Pa
             model.forward(input_ids, positions, bad)
     finally:
         model.decode_loop = loop
+
+
+@pytest.mark.parametrize("env, engine_args", [
+    ({"LADLE_MATMUL": "small:canonical"}, {"dtype": "bfloat16"}),  # the small kernel takes float32 rows only
+    ({}, {"quantization": "int8", "dtype": "bfloat16"}),  # and the dot kernel too: torch widens bf16 rows first
+], ids=["bf16-small", "bf16-int8-dot"])
+def test_bf16_steps_on_float32_only_kernels_stay_in_python(tiny_llama: Path, monkeypatch: pytest.MonkeyPatch,
+                                                            env: dict, engine_args: dict) -> None:
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    check_same_bits(LLM(str(tiny_llama), **engine_args), loop_steps=False)
 
 
 def test_ladle_layer_loop_0_keeps_the_layers_in_python(tiny_llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:

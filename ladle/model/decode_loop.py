@@ -1,5 +1,5 @@
 """A decode step's decoder layers in one native call (kernels/layer_loop.cpp), for the plain Llama layers
-(Llama, SmolLM2, Qwen2, Mistral) in float32 on the CPU.
+(Llama, SmolLM2, Qwen2, Mistral) in float32 or bfloat16 on the CPU.
 
 The loop calls the kernels the Python forward would call, with the same operands, in the same order, so
 its outputs have the same bits (tests/test_decode_loop.py holds it to that). What it saves is the host's
@@ -29,7 +29,9 @@ if TYPE_CHECKING:
 _ptr, _i64 = ctypes.c_void_p, ctypes.c_int64
 CANONICAL, SMALL, DOT = 0, 1, 2  # layer_loop.cpp's Kernel
 _WEIGHT_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2, torch.uint8: 3}
-_KV_TYPES = {torch.float32: 0, torch.int8: 2, torch.float8_e4m3fn: 3}
+# prompt_attention's kv_type, by the compute dtype and the cache's (a bfloat16 step writes a bfloat16 cache only)
+_KV_TYPES = {torch.float32: {torch.float32: 0, torch.int8: 2, torch.float8_e4m3fn: 3},
+             torch.bfloat16: {torch.bfloat16: 1}}
 
 
 class LoopLinear(ctypes.Structure):
@@ -47,11 +49,12 @@ class LoopLayer(ctypes.Structure):
 class LoopStep(ctypes.Structure):
     _fields_ = [("layers", _i64), ("layer", ctypes.POINTER(LoopLayer)), ("final_norm", _ptr), ("hidden", _i64),
                 ("heads", _i64), ("kv_heads", _i64), ("head_dim", _i64), ("intermediate", _i64),
-                ("eps", ctypes.c_double), ("scale", ctypes.c_double), ("kv_type", _i64), ("num_blocks", _i64),
+                ("eps", ctypes.c_double), ("scale", ctypes.c_double), ("bf16", _i64), ("kv_type", _i64),
+                ("num_blocks", _i64),
                 ("block_size", _i64), ("rows", _i64), ("cos", _ptr), ("sin", _ptr), ("slots", _ptr),
                 ("block_tables", _ptr), ("max_blocks", _i64), ("row_starts", _ptr), ("row_counts", _ptr),
                 ("first_positions", _ptr), ("h", _ptr), ("x", _ptr), ("qkv", _ptr), ("attn", _ptr), ("out", _ptr),
-                ("gate_up", _ptr), ("threads", _i64), ("seconds", _ptr)]
+                ("gate_up", _ptr), ("q32", _ptr), ("attn32", _ptr), ("threads", _i64), ("seconds", _ptr)]
 
 
 def enabled() -> bool:
@@ -59,41 +62,44 @@ def enabled() -> bool:
 
 
 def plain_layers(model: LlamaForCausalLM) -> bool:
-    """Whether every layer is a plain Llama layer in float32 on the CPU: attention with rotary on every head
-    dim, no per-head norms, sinks or gates, a dense SwiGLU MLP; one rank; the CPU's layer ops."""
+    """Whether every layer is a plain Llama layer in float32 or bfloat16 on the CPU: attention with rotary on
+    every head dim, no per-head norms, sinks or gates, a dense SwiGLU MLP; one rank; the CPU's layer ops."""
     cfg = model.cfg
     if (cfg.gemma is not None or cfg.hybrid is not None or model.per_layer_inputs is not None
             or model.embed_scale is not None or model.local_rotary is not None or not model.shard.whole
-            or model.ops.name != "torch" or model.embed.dtype != torch.float32 or not model.embed.is_cpu
+            or model.ops.name != "torch" or model.embed.dtype not in _KV_TYPES or not model.embed.is_cpu
             or model.rotary_dim != cfg.head_dim or cfg.head_dim % 2 or not model.layers):
         return False
-    linear_kinds = (Linear, Int8Linear)
-    return all(
+    linear_kinds, dtype = (Linear, Int8Linear), model.embed.dtype
+    return model.norm.dtype == dtype and model.norm.is_contiguous() and all(
         layer.moe is None and layer.linear_attn is None and layer.q_norm is None and layer.k_norm is None
         and layer.sinks is None and layer.v_norm is None and not layer.k_eq_v and layer.kv_source is None
         and layer.layer_scalar is None and not layer.attn_gate and layer.attn_out_norm is None
         and layer.mlp_out_norm is None and layer.per_layer_gate is None
         and all(type(lin) in linear_kinds for lin in (layer.qkv, layer.o_proj, layer.gate_up, layer.down))
-        and all(t.dtype == torch.float32 and t.is_contiguous() for t in (layer.input_norm, layer.post_attn_norm))
+        and all(t.dtype == dtype and t.is_contiguous() for t in (layer.input_norm, layer.post_attn_norm))
         and cfg.attention_shape(i) == (cfg.num_key_value_heads, cfg.head_dim)
         and layer.qkv.out_features == (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim
         and layer.o_proj.in_features == cfg.num_attention_heads * cfg.head_dim
         and layer.gate_up.out_features == 2 * layer.down.in_features == 2 * model.layers[0].down.in_features
-        for i, layer in enumerate(model.layers)) and model.norm.dtype == torch.float32 and model.norm.is_contiguous()
+        for i, layer in enumerate(model.layers))
 
 
-def _kernel(lin: Linear, rows: int, batch_invariant: bool, strided: bool) -> int | None:
-    """The kernel `lin(x)` runs for `rows` float32 rows (strided: rows not back to back), as Linear.__call__
-    and Int8Linear.__call__ choose it; None where that is not one of the loop's."""
+def _kernel(lin: Linear, rows: int, batch_invariant: bool, strided: bool, bf16: bool) -> int | None:
+    """The kernel `lin(x)` runs for `rows` float32 or bfloat16 rows (strided: rows not back to back), as
+    Linear.__call__ and Int8Linear.__call__ choose it; None where that is not one of the loop's. bfloat16
+    rows take the canonical kernel only (widened in the kernel as Int8Linear widens them before it)."""
     if isinstance(lin, Int8Linear):
         if lin._int8_panels is None or (not batch_invariant and rows > WIDEN_ROWS and lin.routing.prefill == "torch"):
             return None
         if lin._dot:
-            return None if lin._kernels.amx_int8 and rows in AMX_INT8_ROWS else DOT
+            return None if bf16 or (lin._kernels.amx_int8 and rows in AMX_INT8_ROWS) else DOT
         return CANONICAL
     route = lin.routing.invariant if batch_invariant else lin.routing.kernel_for(rows)
     if route == "canonical":
         return CANONICAL if lin.packed is not None else None
+    if bf16:
+        return None
     # the small kernel takes whole rows back to back; others go to F.linear (a [1, n] view counts as whole)
     if route == "small" and lin._native_ok and (rows == 1 or not strided):
         return SMALL
@@ -138,7 +144,7 @@ class DecodeLoop:
         rows = input_ids.shape[0]
         if (meta.prefills or meta.decode_rows is None or meta.in_step_copies or meta.states is not None
                 or positions.dim() != 1 or cache is None or not getattr(attention, "_prompt_kernel_ok", False)
-                or cache.k[0].dtype not in _KV_TYPES or rows != meta.num_decodes):
+                or cache.k[0].dtype not in _KV_TYPES[self.model.embed.dtype] or rows != meta.num_decodes):
             return None
         layers = self._plan(rows, meta.batch_invariant)
         if layers is None:
@@ -149,9 +155,10 @@ class DecodeLoop:
 
     def _plan(self, rows: int, batch_invariant: bool) -> ctypes.Array | None:
         kinds = []
+        bf16 = self.model.embed.dtype == torch.bfloat16
         for layer in self.model.layers:
             for lin, strided in ((layer.qkv, False), (layer.o_proj, False), (layer.gate_up, False), (layer.down, True)):
-                kernel = _kernel(lin, rows, batch_invariant, strided)
+                kernel = _kernel(lin, rows, batch_invariant, strided, bf16)
                 if kernel is None:
                     return None
                 kinds.append(kernel)
@@ -182,22 +189,27 @@ class DecodeLoop:
         rows, hidden, d = input_ids.shape[0], cfg.hidden_size, cfg.head_dim
         heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         intermediate = model.layers[0].down.in_features
+        dtype = model.embed.dtype
         h = F.embedding(input_ids, model.embed)
-        cos, sin = model.rotary.tables(positions)
+        cos, sin = (t.to(dtype) for t in model.rotary.tables(positions))  # rounded as the Python forward rounds them
         decodes = meta.decode_rows
         operands = [t.to(torch.int64).contiguous() for t in (meta.slot_mapping, decodes.block_tables,
                                                              decodes.row_starts, decodes.row_counts,
                                                              decodes.first_positions)]
-        x, out = torch.empty(rows, hidden), torch.empty(rows, hidden)
-        qkv = torch.empty(rows, (heads + 2 * kv_heads) * d)
-        attn, gate_up = torch.empty(rows, heads * d), torch.empty(rows, 2 * intermediate)
+        x, out = torch.empty(rows, hidden, dtype=dtype), torch.empty(rows, hidden, dtype=dtype)
+        qkv = torch.empty(rows, (heads + 2 * kv_heads) * d, dtype=dtype)
+        attn, gate_up = torch.empty(rows, heads * d, dtype=dtype), torch.empty(rows, 2 * intermediate, dtype=dtype)
+        bf16 = dtype == torch.bfloat16
+        q32, attn32 = (torch.empty(rows, heads * d) for _ in range(2)) if bf16 else (None, None)
         num_blocks, block_size = cache.k[0].shape[:2]
         step = LoopStep(len(model.layers), layers, model.norm.data_ptr(), hidden, heads, kv_heads, d, intermediate,
-                        cfg.rms_norm_eps, model.attention.scale, _KV_TYPES[cache.k[0].dtype], num_blocks, block_size,
+                        cfg.rms_norm_eps, model.attention.scale, int(bf16), _KV_TYPES[dtype][cache.k[0].dtype],
+                        num_blocks, block_size,
                         rows, cos.data_ptr(), sin.data_ptr(), operands[0].data_ptr(), operands[1].data_ptr(),
                         operands[1].shape[1], operands[2].data_ptr(), operands[3].data_ptr(), operands[4].data_ptr(),
                         h.data_ptr(), x.data_ptr(), qkv.data_ptr(), attn.data_ptr(), out.data_ptr(),
-                        gate_up.data_ptr(), torch.get_num_threads(),
+                        gate_up.data_ptr(), None if q32 is None else q32.data_ptr(),
+                        None if attn32 is None else attn32.data_ptr(), torch.get_num_threads(),
                         None if self.seconds is None else self.seconds.data_ptr())
         self._run(step)  # the pointers are the model's and the cache's, and this frame's tensors
         return x

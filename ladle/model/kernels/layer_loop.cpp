@@ -1,5 +1,7 @@
 // A decode step's decoder layers in one call: the same kernels, with the same operands, that the
-// Python forward calls one by one (ladle.model.decode_loop), so every output has the same bits.
+// Python forward calls one by one (ladle.model.decode_loop), so every output has the same bits; in
+// float32, or in bfloat16 where the Python forward's conversions around attention are done here as
+// torch does them (q widened exactly, the output rounded to nearest even).
 // What it saves is the host's work between them: a step of a small model calls about ten kernels a
 // layer, and at one row each call's Python and ctypes cost as much as its arithmetic.
 //
@@ -11,15 +13,25 @@
 //   gate_up = x W_gu^T;  silu(gate) * up in place;  h += act W_down^T;  x = rms_norm(h) (the next norm)
 
 #include <chrono>
+#include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <vector>
 
 extern "C" {
 void ladle_rms_norm(const float* x, const float* w, float* y, int64_t m, int64_t n, float eps, int threads);
+void ladle_rms_norm_bf16(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_t m, int64_t n, float eps,
+                         int threads);
 void ladle_add_rms_norm(float* h, const float* a, const float* w, float* y, int64_t m, int64_t n, float eps,
                         int threads);
+void ladle_add_rms_norm_bf16(uint16_t* h, const uint16_t* a, const uint16_t* w, uint16_t* y, int64_t m, int64_t n,
+                             float eps, int threads);
 void ladle_silu_and_mul(float* gate_up, int64_t ld, int64_t m, int64_t n, int threads);
+void ladle_silu_and_mul_bf16(uint16_t* gate_up, int64_t ld, int64_t m, int64_t n, int threads);
 int ladle_rotary(float* x, int64_t ldx, const float* cos, const float* sin, int64_t t, int64_t heads, int64_t d,
                  int threads);
+int ladle_rotary_bf16(uint16_t* x, int64_t ldx, const uint16_t* cos, const uint16_t* sin, int64_t t, int64_t heads,
+                      int64_t d, int threads);
 int ladle_write_kv(const void* k, int64_t k_stride, const void* v, int64_t v_stride, void* k_cache, void* v_cache,
                    int64_t num_slots, const int64_t* slots, int64_t count, int64_t width, int64_t elem);
 int ladle_write_kv_quantized(const float* k, int64_t k_stride, const float* v, int64_t v_stride, void* k_cache,
@@ -34,6 +46,9 @@ int ladle_prompt_attention(const float* q, int64_t q_stride, const void* k_cache
 void ladle_canonical_linear(const float* x, int64_t ldx, const void* packed, int wtype, const float* scales,
                             const void* group_scales, const void* group_mins, int half, int64_t group_size,
                             const float* bias, float* y, int64_t m, int64_t k, int64_t n, int threads);
+void ladle_canonical_linear_bf16(const uint16_t* x, int64_t ldx, const void* packed, int wtype, const float* scales,
+                                 const void* group_scales, const void* group_mins, int half, int64_t group_size,
+                                 const float* bias, uint16_t* y, int64_t m, int64_t k, int64_t n, int threads);
 void ladle_small_linear(const float* x, const float* w, const float* bias, float* y, int64_t m, int64_t k, int64_t n,
                         int threads);
 void ladle_int8_dot_linear(const float* x, int64_t ldx, const uint8_t* packed, const float* scales,
@@ -59,8 +74,8 @@ struct LoopLinear {
 };
 
 struct LoopLayer {
-  const float* input_norm;
-  const float* post_attn_norm;
+  const void* input_norm;        // norm weights in the step's dtype
+  const void* post_attn_norm;
   LoopLinear qkv, o, gate_up, down;
   void* k_cache;
   void* v_cache;
@@ -73,27 +88,30 @@ struct LoopStep {
   // the model's
   int64_t layers;
   const LoopLayer* layer;
-  const float* final_norm;
+  const void* final_norm;
   int64_t hidden, heads, kv_heads, head_dim, intermediate;
   double eps, scale;
-  int64_t kv_type;               // prompt_attention's: 0 float32, 2 int8, 3 fp8 e4m3
+  int64_t bf16;                  // the step's activations, norms and tables in bfloat16 (else float32)
+  int64_t kv_type;               // prompt_attention's: 0 float32, 1 bfloat16, 2 int8, 3 fp8 e4m3
   int64_t num_blocks, block_size;
   // this step's
   int64_t rows;
-  const float* cos;              // [rows, head_dim] rotary tables
-  const float* sin;
+  const void* cos;               // [rows, head_dim] rotary tables
+  const void* sin;
   const int64_t* slots;          // [rows] each new token's cache slot
   const int64_t* block_tables;   // [rows, max_blocks]
   int64_t max_blocks;
   const int64_t* row_starts;     // the decodes as one-row spans
   const int64_t* row_counts;
   const int64_t* first_positions;
-  float* h;                      // [rows, hidden] the residual stream, in place
-  float* x;                      // [rows, hidden] the normed input of what comes next; the result
-  float* qkv;                    // [rows, (heads + 2 kv_heads) head_dim]
-  float* attn;                   // [rows, heads head_dim]
-  float* out;                    // [rows, hidden] a sublayer's output
-  float* gate_up;                // [rows, 2 intermediate]
+  void* h;                       // [rows, hidden] the residual stream, in place
+  void* x;                       // [rows, hidden] the normed input of what comes next; the result
+  void* qkv;                     // [rows, (heads + 2 kv_heads) head_dim]
+  void* attn;                    // [rows, heads head_dim]
+  void* out;                     // [rows, hidden] a sublayer's output
+  void* gate_up;                 // [rows, 2 intermediate]
+  float* q32;                    // bfloat16: [rows, heads head_dim] float32, the queries and then the
+  float* attn32;                 // attention's output as the float32 kernel takes and gives them
   int64_t threads;
   double* seconds;               // null, or [matmul, attention] seconds this step adds to (benchmarks)
 };
@@ -113,6 +131,35 @@ class Timer {
   std::chrono::steady_clock::time_point start_;
 };
 
+// The per-dtype kernels, by overload: float32 or bfloat16 bits (uint16_t).
+void rms_norm(const float* x, const void* w, float* y, int64_t m, int64_t n, float eps, int threads) {
+  ladle_rms_norm(x, static_cast<const float*>(w), y, m, n, eps, threads);
+}
+void rms_norm(const uint16_t* x, const void* w, uint16_t* y, int64_t m, int64_t n, float eps, int threads) {
+  ladle_rms_norm_bf16(x, static_cast<const uint16_t*>(w), y, m, n, eps, threads);
+}
+void add_rms_norm(float* h, const float* a, const void* w, float* y, int64_t m, int64_t n, float eps, int threads) {
+  ladle_add_rms_norm(h, a, static_cast<const float*>(w), y, m, n, eps, threads);
+}
+void add_rms_norm(uint16_t* h, const uint16_t* a, const void* w, uint16_t* y, int64_t m, int64_t n, float eps,
+                  int threads) {
+  ladle_add_rms_norm_bf16(h, a, static_cast<const uint16_t*>(w), y, m, n, eps, threads);
+}
+void silu_and_mul(float* gate_up, int64_t ld, int64_t m, int64_t n, int threads) {
+  ladle_silu_and_mul(gate_up, ld, m, n, threads);
+}
+void silu_and_mul(uint16_t* gate_up, int64_t ld, int64_t m, int64_t n, int threads) {
+  ladle_silu_and_mul_bf16(gate_up, ld, m, n, threads);
+}
+int rotary(float* x, int64_t ldx, const void* cos, const void* sin, int64_t t, int64_t heads, int64_t d, int threads) {
+  return ladle_rotary(x, ldx, static_cast<const float*>(cos), static_cast<const float*>(sin), t, heads, d, threads);
+}
+int rotary(uint16_t* x, int64_t ldx, const void* cos, const void* sin, int64_t t, int64_t heads, int64_t d,
+           int threads) {
+  return ladle_rotary_bf16(x, ldx, static_cast<const uint16_t*>(cos), static_cast<const uint16_t*>(sin), t, heads,
+                           d, threads);
+}
+
 void linear(const LoopLinear& lin, const float* x, int64_t ldx, float* y, int64_t rows, int threads,
             double* seconds) {
   const Timer timer(seconds);
@@ -130,51 +177,107 @@ void linear(const LoopLinear& lin, const float* x, int64_t ldx, float* y, int64_
   }
 }
 
+// bfloat16 rows take the canonical kernel only: widened exactly, the float32 sums rounded once.
+void linear(const LoopLinear& lin, const uint16_t* x, int64_t ldx, uint16_t* y, int64_t rows, int threads,
+            double* seconds) {
+  const Timer timer(seconds);
+  ladle_canonical_linear_bf16(x, ldx, lin.weights, int(lin.weight_type), lin.scales, lin.group_scales,
+                              lin.group_mins, int(lin.half), lin.group_size, lin.bias, y, rows, lin.k, lin.n,
+                              threads);
+}
+
+// float32 to bfloat16 as torch's .to(torch.bfloat16): to nearest even, a NaN as the canonical quiet one.
+uint16_t round_bf16(float f) {
+  if (std::isnan(f)) return 0x7FC0;
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  return static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
+
+float widen_bf16(uint16_t b) {
+  const uint32_t bits = uint32_t(b) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+int write_kv(const LoopStep& s, const LoopLayer& layer, const void* k, const void* v, int64_t width, int64_t elem) {
+  const int64_t num_slots = s.num_blocks * s.block_size, kv_size = s.kv_heads * s.head_dim;
+  if (s.kv_type <= 1)
+    return ladle_write_kv(k, width, v, width, layer.k_cache, layer.v_cache, num_slots, s.slots, s.rows, kv_size,
+                          elem);
+  return ladle_write_kv_quantized(static_cast<const float*>(k), width, static_cast<const float*>(v), width,
+                                  layer.k_cache, layer.v_cache, layer.k_scales, layer.v_scales, num_slots, s.slots,
+                                  s.rows, s.kv_heads, s.head_dim, s.kv_type == 3);
+}
+
+int prompt_attention(const LoopStep& s, const LoopLayer& layer, const float* q, int64_t q_stride, float* out,
+                     int threads) {
+  return ladle_prompt_attention(q, q_stride, layer.k_cache, layer.v_cache, int(s.kv_type), layer.k_scales,
+                                layer.v_scales, s.num_blocks, s.block_tables, s.max_blocks, s.row_starts,
+                                s.row_counts, s.first_positions, out, s.heads * s.head_dim, s.rows, s.heads,
+                                s.kv_heads, s.head_dim, s.block_size, float(s.scale), layer.window, nullptr, threads);
+}
+
+// The new K/V written to the cache, and each row's attention into `attn` [rows, heads head_dim].
 // Status: 0, or the failing kernel's (-1: a slot or block outside the cache; -2: shapes it cannot take).
-int attention(const LoopStep& s, const LoopLayer& layer, int threads) {
+int attend(const LoopStep& s, const LoopLayer& layer, float* qkv, float* attn, int threads) {
   const int64_t width = (s.heads + 2 * s.kv_heads) * s.head_dim, q_size = s.heads * s.head_dim;
   const int64_t kv_size = s.kv_heads * s.head_dim;
-  linear(layer.qkv, s.x, s.hidden, s.qkv, s.rows, threads, s.seconds);
-  int status = ladle_rotary(s.qkv, width, s.cos, s.sin, s.rows, s.heads + s.kv_heads, s.head_dim, threads);
-  if (status) return -2;
-  const float* k = s.qkv + q_size;
-  const float* v = s.qkv + q_size + kv_size;
-  const int64_t num_slots = s.num_blocks * s.block_size;
-  const Timer timer(s.seconds ? s.seconds + 1 : nullptr);
-  if (s.kv_type == 0)
-    status = ladle_write_kv(k, width, v, width, layer.k_cache, layer.v_cache, num_slots, s.slots, s.rows, kv_size, 4);
-  else
-    status = ladle_write_kv_quantized(k, width, v, width, layer.k_cache, layer.v_cache, layer.k_scales,
-                                      layer.v_scales, num_slots, s.slots, s.rows, s.kv_heads, s.head_dim,
-                                      s.kv_type == 3);
-  if (status) return -1;
-  return ladle_prompt_attention(s.qkv, width, layer.k_cache, layer.v_cache, int(s.kv_type), layer.k_scales,
-                                layer.v_scales, s.num_blocks, s.block_tables, s.max_blocks, s.row_starts,
-                                s.row_counts, s.first_positions, s.attn, q_size, s.rows, s.heads, s.kv_heads,
-                                s.head_dim, s.block_size, float(s.scale), layer.window, nullptr, threads);
+  if (write_kv(s, layer, qkv + q_size, qkv + q_size + kv_size, width, sizeof(float))) return -1;
+  return prompt_attention(s, layer, qkv, width, attn, threads);
+}
+
+int attend(const LoopStep& s, const LoopLayer& layer, uint16_t* qkv, uint16_t* attn, int threads) {
+  const int64_t width = (s.heads + 2 * s.kv_heads) * s.head_dim, q_size = s.heads * s.head_dim;
+  const int64_t kv_size = s.kv_heads * s.head_dim;
+  if (s.kv_type != 1 || write_kv(s, layer, qkv + q_size, qkv + q_size + kv_size, width, sizeof(uint16_t)))
+    return -1;
+  for (int64_t r = 0; r < s.rows; ++r)
+    for (int64_t i = 0; i < q_size; ++i) s.q32[r * q_size + i] = widen_bf16(qkv[r * width + i]);
+  const int status = prompt_attention(s, layer, s.q32, q_size, s.attn32, threads);
+  for (int64_t i = 0; i < s.rows * q_size; ++i) attn[i] = round_bf16(s.attn32[i]);
+  return status;
+}
+
+// One layer's attention, from its normed input s.x to its output projection in s.out.
+template <typename T>
+int attention(const LoopStep& s, const LoopLayer& layer, int threads) {
+  const int64_t width = (s.heads + 2 * s.kv_heads) * s.head_dim;
+  T* qkv = static_cast<T*>(s.qkv);
+  linear(layer.qkv, static_cast<const T*>(s.x), s.hidden, qkv, s.rows, threads, s.seconds);
+  if (rotary(qkv, width, s.cos, s.sin, s.rows, s.heads + s.kv_heads, s.head_dim, threads)) return -2;
+  {
+    const Timer timer(s.seconds ? s.seconds + 1 : nullptr);
+    if (const int status = attend(s, layer, qkv, static_cast<T*>(s.attn), threads)) return status;
+  }
+  linear(layer.o, static_cast<const T*>(s.attn), s.heads * s.head_dim, static_cast<T*>(s.out), s.rows, threads,
+         s.seconds);
+  return 0;
+}
+
+template <typename T>
+int decode_layers(const LoopStep& s) {
+  const int threads = int(s.threads);
+  const float eps = float(s.eps);
+  T *h = static_cast<T*>(s.h), *x = static_cast<T*>(s.x), *out = static_cast<T*>(s.out);
+  T* gate_up = static_cast<T*>(s.gate_up);
+  rms_norm(h, s.layers ? s.layer[0].input_norm : s.final_norm, x, s.rows, s.hidden, eps, threads);
+  for (int64_t i = 0; i < s.layers; ++i) {
+    const LoopLayer& layer = s.layer[i];
+    if (const int status = attention<T>(s, layer, threads)) return status;
+    add_rms_norm(h, out, layer.post_attn_norm, x, s.rows, s.hidden, eps, threads);
+    linear(layer.gate_up, x, s.hidden, gate_up, s.rows, threads, s.seconds);
+    silu_and_mul(gate_up, 2 * s.intermediate, s.rows, s.intermediate, threads);
+    linear(layer.down, gate_up, 2 * s.intermediate, out, s.rows, threads, s.seconds);
+    const void* following = i + 1 < s.layers ? s.layer[i + 1].input_norm : s.final_norm;
+    add_rms_norm(h, out, following, x, s.rows, s.hidden, eps, threads);
+  }
+  return 0;
 }
 
 }  // namespace
 
 extern "C" int ladle_decode_layers(const LoopStep* step) {
-  const LoopStep& s = *step;
-  const int threads = int(s.threads);
-  const float eps = float(s.eps);
-  if (s.layers == 0) {
-    ladle_rms_norm(s.h, s.final_norm, s.x, s.rows, s.hidden, eps, threads);
-    return 0;
-  }
-  ladle_rms_norm(s.h, s.layer[0].input_norm, s.x, s.rows, s.hidden, eps, threads);
-  for (int64_t i = 0; i < s.layers; ++i) {
-    const LoopLayer& layer = s.layer[i];
-    if (const int status = attention(s, layer, threads)) return status;
-    linear(layer.o, s.attn, s.heads * s.head_dim, s.out, s.rows, threads, s.seconds);
-    ladle_add_rms_norm(s.h, s.out, layer.post_attn_norm, s.x, s.rows, s.hidden, eps, threads);
-    linear(layer.gate_up, s.x, s.hidden, s.gate_up, s.rows, threads, s.seconds);
-    ladle_silu_and_mul(s.gate_up, 2 * s.intermediate, s.rows, s.intermediate, threads);
-    linear(layer.down, s.gate_up, 2 * s.intermediate, s.out, s.rows, threads, s.seconds);
-    const float* following = i + 1 < s.layers ? s.layer[i + 1].input_norm : s.final_norm;
-    ladle_add_rms_norm(s.h, s.out, following, s.x, s.rows, s.hidden, eps, threads);
-  }
-  return 0;
+  return step->bf16 ? decode_layers<uint16_t>(*step) : decode_layers<float>(*step);
 }
