@@ -202,14 +202,16 @@ class DecodeLoop:
         bf16 = dtype == torch.bfloat16
         q32, attn32 = (torch.empty(rows, heads * d) for _ in range(2)) if bf16 else (None, None)
         num_blocks, block_size = cache.k[0].shape[:2]
-        step = LoopStep(len(model.layers), layers, model.norm.data_ptr(), hidden, heads, kv_heads, d, intermediate,
-                        cfg.rms_norm_eps, model.attention.scale, int(bf16), _KV_TYPES[dtype][cache.k[0].dtype],
-                        num_blocks, block_size,
-                        rows, cos.data_ptr(), sin.data_ptr(), operands[0].data_ptr(), operands[1].data_ptr(),
-                        operands[1].shape[1], operands[2].data_ptr(), operands[3].data_ptr(), operands[4].data_ptr(),
-                        h.data_ptr(), x.data_ptr(), qkv.data_ptr(), attn.data_ptr(), out.data_ptr(),
-                        gate_up.data_ptr(), None if q32 is None else q32.data_ptr(),
-                        None if attn32 is None else attn32.data_ptr(), torch.get_num_threads(),
-                        None if self.seconds is None else self.seconds.data_ptr())
+        slots, tables, starts, counts, firsts = (t.data_ptr() for t in operands)
+        step = LoopStep(
+            layers=len(model.layers), layer=layers, final_norm=model.norm.data_ptr(), hidden=hidden, heads=heads,
+            kv_heads=kv_heads, head_dim=d, intermediate=intermediate, eps=cfg.rms_norm_eps,
+            scale=model.attention.scale, bf16=int(bf16), kv_type=_KV_TYPES[dtype][cache.k[0].dtype],
+            num_blocks=num_blocks, block_size=block_size, rows=rows, cos=cos.data_ptr(), sin=sin.data_ptr(),
+            slots=slots, block_tables=tables, max_blocks=operands[1].shape[1], row_starts=starts, row_counts=counts,
+            first_positions=firsts, h=h.data_ptr(), x=x.data_ptr(), qkv=qkv.data_ptr(), attn=attn.data_ptr(),
+            out=out.data_ptr(), gate_up=gate_up.data_ptr(), q32=None if q32 is None else q32.data_ptr(),
+            attn32=None if attn32 is None else attn32.data_ptr(), threads=torch.get_num_threads(),
+            seconds=None if self.seconds is None else self.seconds.data_ptr())
         self._run(step)  # the pointers are the model's and the cache's, and this frame's tensors
         return x
