@@ -16,7 +16,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <vector>
 
 extern "C" {
 void ladle_rms_norm(const float* x, const float* w, float* y, int64_t m, int64_t n, float eps, int threads);
@@ -231,8 +230,8 @@ int attend(const LoopStep& s, const LoopLayer& layer, float* qkv, float* attn, i
 int attend(const LoopStep& s, const LoopLayer& layer, uint16_t* qkv, uint16_t* attn, int threads) {
   const int64_t width = (s.heads + 2 * s.kv_heads) * s.head_dim, q_size = s.heads * s.head_dim;
   const int64_t kv_size = s.kv_heads * s.head_dim;
-  if (s.kv_type != 1 || write_kv(s, layer, qkv + q_size, qkv + q_size + kv_size, width, sizeof(uint16_t)))
-    return -1;
+  if (s.kv_type != 1) return -2;  // a bfloat16 step writes a bfloat16 cache only
+  if (write_kv(s, layer, qkv + q_size, qkv + q_size + kv_size, width, sizeof(uint16_t))) return -1;
   for (int64_t r = 0; r < s.rows; ++r)
     for (int64_t i = 0; i < q_size; ++i) s.q32[r * q_size + i] = widen_bf16(qkv[r * width + i]);
   const int status = prompt_attention(s, layer, s.q32, q_size, s.attn32, threads);

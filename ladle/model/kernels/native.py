@@ -367,7 +367,7 @@ class NativeKernels:
         if status == -1:
             raise IndexError("decode_layers: a slot, block table or position points outside the KV cache")
         if status:
-            raise ValueError("decode_layers: the head size and block size must be multiples of 8")
+            raise ValueError("decode_layers: a head size, block size or cache dtype its kernels do not take")
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
         """torch.argmax(x, -1) for float32 rows x [B, V] (rows may be strided; the first of equal values,
