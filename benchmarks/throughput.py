@@ -85,11 +85,15 @@ def weight_bytes_per_token(llm: LLM) -> int:
     return sum(lin.nbytes for layer in m.layers for lin in layer.linears) + m.lm_head.nbytes
 
 
+def layer_params(llm: LLM) -> int:
+    """The weights of the decoder layers' linear layers (the LM head not included)."""
+    return sum(lin.out_features * lin.in_features for layer in llm.engine.runner.model.layers for lin in layer.linears)
+
+
 def workload_flops(llm: LLM, work: list[tuple[list[int], int]]) -> float:
     """Matmul FLOPs of computing every prompt and output token once (linears + attention + lm_head)."""
     c = llm.engine.model_config
-    m = llm.engine.runner.model
-    linear_params = sum(lin.out_features * lin.in_features for layer in m.layers for lin in layer.linears)
+    linear_params = layer_params(llm)
     head = c.vocab_size * c.hidden_size
     attn_per_ctx = 4 * c.num_hidden_layers * c.num_attention_heads * c.head_dim  # QK^T and PV, per key
     total = 0.0
@@ -252,9 +256,8 @@ def print_step_split(rows: dict[str, dict[str, float]], bound_ms: float) -> None
 
 def step_flops(llm: LLM, batch: int) -> float:
     """A decode step's matmul FLOPs at `batch` rows (the linear layers and the LM head; attention's are few)."""
-    c, m = llm.engine.model_config, llm.engine.runner.model
-    linear_params = sum(lin.out_features * lin.in_features for layer in m.layers for lin in layer.linears)
-    return 2 * (linear_params + c.vocab_size * c.hidden_size) * batch
+    c = llm.engine.model_config
+    return 2 * (layer_params(llm) + c.vocab_size * c.hidden_size) * batch
 
 
 def prefill_tok_s(llm: LLM, n: int = 8, prompt_len: int = 512) -> float:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from ladle.model.kernels.native import NativeKernels
+from ladle.model.kernels.native import KV_TYPES, WEIGHT_TYPES, NativeKernels
 from ladle.model.layers import Linear
 from ladle.model.quantization import AMX_INT8_ROWS, WIDEN_ROWS, Int8Linear
 
@@ -28,10 +28,8 @@ if TYPE_CHECKING:
 
 _ptr, _i64 = ctypes.c_void_p, ctypes.c_int64
 CANONICAL, SMALL, DOT = 0, 1, 2  # layer_loop.cpp's Kernel
-_WEIGHT_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2, torch.uint8: 3}
-# prompt_attention's kv_type, by the compute dtype and the cache's (a bfloat16 step writes a bfloat16 cache only)
-_KV_TYPES = {torch.float32: {torch.float32: 0, torch.int8: 2, torch.float8_e4m3fn: 3},
-             torch.bfloat16: {torch.bfloat16: 1}}
+# the caches a step of each compute dtype writes as the Python forward does (a bfloat16 step: bfloat16 only)
+CACHE_DTYPES = {torch.float32: (torch.float32, torch.int8, torch.float8_e4m3fn), torch.bfloat16: (torch.bfloat16,)}
 
 
 class LoopLinear(ctypes.Structure):
@@ -67,7 +65,7 @@ def plain_layers(model: LlamaForCausalLM) -> bool:
     cfg = model.cfg
     if (cfg.gemma is not None or cfg.hybrid is not None or model.per_layer_inputs is not None
             or model.embed_scale is not None or model.local_rotary is not None or not model.shard.whole
-            or model.ops.name != "torch" or model.embed.dtype not in _KV_TYPES or not model.embed.is_cpu
+            or model.ops.name != "torch" or model.embed.dtype not in CACHE_DTYPES or not model.embed.is_cpu
             or model.rotary_dim != cfg.head_dim or cfg.head_dim % 2 or not model.layers):
         return False
     linear_kinds, dtype = (Linear, Int8Linear), model.embed.dtype
@@ -113,14 +111,14 @@ def _linear(lin: Linear, kernel: int) -> LoopLinear:
     if kernel == SMALL:
         out.weights = lin.weight.data_ptr()
     elif isinstance(lin, Int8Linear):
-        out.weights, out.weight_type = lin._int8_panels.data_ptr(), _WEIGHT_TYPES[lin._int8_panels.dtype]
+        out.weights, out.weight_type = lin._int8_panels.data_ptr(), WEIGHT_TYPES[lin._int8_panels.dtype]
         out.scales = None if lin.scales is None else lin.scales.data_ptr()
         if lin._groups is not None:
             size, scales, mins = lin._groups
             out.group_size, out.group_scales, out.half = size, scales.data_ptr(), int(scales.dtype == torch.float16)
             out.group_mins = None if mins is None else mins.data_ptr()
     else:
-        out.weights, out.weight_type = lin.packed.data_ptr(), _WEIGHT_TYPES[lin.packed.dtype]
+        out.weights, out.weight_type = lin.packed.data_ptr(), WEIGHT_TYPES[lin.packed.dtype]
     return out
 
 
@@ -130,6 +128,7 @@ class DecodeLoop:
     def __init__(self, model: LlamaForCausalLM, native: NativeKernels):
         self.model = model
         self._run = native.decode_layers
+        self._kinds: dict[tuple[int, bool], tuple[int, ...] | None] = {}  # each linear's kernel, by rows
         self._plans: dict[tuple, ctypes.Array] = {}  # by the kernels chosen and the cache's tensors
         # float64 [matmul, attention (the K/V writes and the attention)]: where set, each step adds its
         # seconds in them (benchmarks/throughput.py's split of a step)
@@ -144,7 +143,7 @@ class DecodeLoop:
         rows = input_ids.shape[0]
         if (meta.prefills or meta.decode_rows is None or meta.in_step_copies or meta.states is not None
                 or positions.dim() != 1 or cache is None or not getattr(attention, "_prompt_kernel_ok", False)
-                or cache.k[0].dtype not in _KV_TYPES[self.model.embed.dtype] or rows != meta.num_decodes):
+                or cache.k[0].dtype not in CACHE_DTYPES[self.model.embed.dtype] or rows != meta.num_decodes):
             return None
         layers = self._plan(rows, meta.batch_invariant)
         if layers is None:
@@ -154,6 +153,21 @@ class DecodeLoop:
         return out
 
     def _plan(self, rows: int, batch_invariant: bool) -> ctypes.Array | None:
+        """The layers laid out for this many rows, or None where a matmul's kernel is not one of the loop's."""
+        key = (rows, batch_invariant)
+        if key not in self._kinds:  # the routes are fixed when the model is built: chosen once per row count
+            self._kinds[key] = self._kernels(rows, batch_invariant)
+        kinds = self._kinds[key]
+        if kinds is None:
+            return None
+        cache = self.model.attention.cache
+        plan_key = (kinds, cache.k[0].data_ptr())
+        plan = self._plans.get(plan_key)
+        if plan is None:
+            plan = self._plans[plan_key] = self._layers(kinds)
+        return plan
+
+    def _kernels(self, rows: int, batch_invariant: bool) -> tuple[int, ...] | None:
         kinds = []
         bf16 = self.model.embed.dtype == torch.bfloat16
         for layer in self.model.layers:
@@ -162,14 +176,9 @@ class DecodeLoop:
                 if kernel is None:
                     return None
                 kinds.append(kernel)
-        cache = self.model.attention.cache
-        key = (tuple(kinds), cache.k[0].data_ptr())
-        plan = self._plans.get(key)
-        if plan is None:
-            plan = self._plans[key] = self._layers(kinds)
-        return plan
+        return tuple(kinds)
 
-    def _layers(self, kinds: list[int]) -> ctypes.Array:
+    def _layers(self, kinds: tuple[int, ...]) -> ctypes.Array:
         attention, model = self.model.attention, self.model
         cache = attention.cache
         layers = (LoopLayer * len(model.layers))()
@@ -206,7 +215,7 @@ class DecodeLoop:
         step = LoopStep(
             layers=len(model.layers), layer=layers, final_norm=model.norm.data_ptr(), hidden=hidden, heads=heads,
             kv_heads=kv_heads, head_dim=d, intermediate=intermediate, eps=cfg.rms_norm_eps,
-            scale=model.attention.scale, bf16=int(bf16), kv_type=_KV_TYPES[dtype][cache.k[0].dtype],
+            scale=model.attention.scale, bf16=int(bf16), kv_type=KV_TYPES[cache.k[0].dtype],
             num_blocks=num_blocks, block_size=block_size, rows=rows, cos=cos.data_ptr(), sin=sin.data_ptr(),
             slots=slots, block_tables=tables, max_blocks=operands[1].shape[1], row_starts=starts, row_counts=counts,
             first_positions=firsts, h=h.data_ptr(), x=x.data_ptr(), qkv=qkv.data_ptr(), attn=attn.data_ptr(),

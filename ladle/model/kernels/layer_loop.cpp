@@ -12,10 +12,11 @@
 //   h += attn W_o^T;  x = rms_norm(h)
 //   gate_up = x W_gu^T;  silu(gate) * up in place;  h += act W_down^T;  x = rms_norm(h) (the next norm)
 
+#include "simd.h"
+
 #include <chrono>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 
 extern "C" {
 void ladle_rms_norm(const float* x, const float* w, float* y, int64_t m, int64_t n, float eps, int threads);
@@ -185,20 +186,8 @@ void linear(const LoopLinear& lin, const uint16_t* x, int64_t ldx, uint16_t* y, 
                               threads);
 }
 
-// float32 to bfloat16 as torch's .to(torch.bfloat16): to nearest even, a NaN as the canonical quiet one.
-uint16_t round_bf16(float f) {
-  if (std::isnan(f)) return 0x7FC0;
-  uint32_t bits;
-  std::memcpy(&bits, &f, sizeof bits);
-  return static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
-}
-
-float widen_bf16(uint16_t b) {
-  const uint32_t bits = uint32_t(b) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
+// float32 to bfloat16 as torch's .to(torch.bfloat16): to_bf16's rounding, a NaN as torch's quiet one.
+uint16_t torch_bf16(float f) { return std::isnan(f) ? uint16_t{0x7FC0} : to_bf16(f); }
 
 int write_kv(const LoopStep& s, const LoopLayer& layer, const void* k, const void* v, int64_t width, int64_t elem) {
   const int64_t num_slots = s.num_blocks * s.block_size, kv_size = s.kv_heads * s.head_dim;
@@ -233,9 +222,9 @@ int attend(const LoopStep& s, const LoopLayer& layer, uint16_t* qkv, uint16_t* a
   if (s.kv_type != 1) return -2;  // a bfloat16 step writes a bfloat16 cache only
   if (write_kv(s, layer, qkv + q_size, qkv + q_size + kv_size, width, sizeof(uint16_t))) return -1;
   for (int64_t r = 0; r < s.rows; ++r)
-    for (int64_t i = 0; i < q_size; ++i) s.q32[r * q_size + i] = widen_bf16(qkv[r * width + i]);
+    for (int64_t i = 0; i < q_size; ++i) s.q32[r * q_size + i] = to_float(qkv[r * width + i]);
   const int status = prompt_attention(s, layer, s.q32, q_size, s.attn32, threads);
-  for (int64_t i = 0; i < s.rows * q_size; ++i) attn[i] = round_bf16(s.attn32[i]);
+  for (int64_t i = 0; i < s.rows * q_size; ++i) attn[i] = torch_bf16(s.attn32[i]);
   return status;
 }
 

@@ -11,8 +11,8 @@ import torch
 DOT_BLOCK = 32  # inputs per activation scale in int8_dot.cpp
 # canonical_linear.cpp's WeightType by panel dtype: uint8 panels hold 4-bit weights, two to a byte
 AMX_MAX_ROWS = 32  # rows per call of the AMX kernel: two tiles of 16
-_WEIGHT_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2, torch.uint8: 3}
-_KV_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2, torch.float8_e4m3fn: 3}  # attention.cpp's kv_type
+WEIGHT_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2, torch.uint8: 3}
+KV_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2, torch.float8_e4m3fn: 3}  # attention.cpp's kv_type
 
 
 def exactly_fp16(t: torch.Tensor) -> bool:
@@ -141,13 +141,13 @@ class NativeKernels:
         if four_bit:
             if weight.dtype != torch.int8 or weight.shape[1] % 2 or weight.min() < 0 or weight.max() > 15:
                 raise ValueError("4-bit panels take int8 values 0..15 over an even number of inputs")
-        elif weight.dtype not in _WEIGHT_TYPES or weight.dtype == torch.uint8:
+        elif weight.dtype not in WEIGHT_TYPES or weight.dtype == torch.uint8:
             weight = weight.float()
         weight = weight.contiguous()
         n, k = weight.shape
         dtype = torch.uint8 if four_bit else weight.dtype
         out = torch.empty(-(-n // 16), k // 2 if four_bit else k, 16, dtype=dtype)
-        self._pack_panels(weight.data_ptr(), out.data_ptr(), n, k, _WEIGHT_TYPES[dtype])
+        self._pack_panels(weight.data_ptr(), out.data_ptr(), n, k, WEIGHT_TYPES[dtype])
         return out
 
     @staticmethod
@@ -188,7 +188,7 @@ class NativeKernels:
                              f"as many inputs, not groups of {size} and {k}")
         y = torch.empty(rows, out_features, dtype=torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32)
         entry = self._canonical_linear_bf16 if x.dtype == torch.bfloat16 else self._canonical_linear
-        entry(x.data_ptr(), x.stride(0), packed.data_ptr(), _WEIGHT_TYPES[packed.dtype],
+        entry(x.data_ptr(), x.stride(0), packed.data_ptr(), WEIGHT_TYPES[packed.dtype],
               None if scales is None else scales.data_ptr(),
               None if group_scales is None else group_scales.data_ptr(),
               None if group_mins is None else group_mins.data_ptr(), int(half), size,
@@ -209,7 +209,7 @@ class NativeKernels:
         size, group_scales, group_mins = groups or (0, None, None)
         if (scales is None) == (groups is None):
             raise ValueError("int8 and 4-bit panels take scales or groups")
-        self._widen_panels(packed.data_ptr(), _WEIGHT_TYPES[packed.dtype],
+        self._widen_panels(packed.data_ptr(), WEIGHT_TYPES[packed.dtype],
                            None if scales is None else scales.data_ptr(),
                            None if group_scales is None else group_scales.data_ptr(),
                            None if group_mins is None else group_mins.data_ptr(),
@@ -430,7 +430,7 @@ class NativeKernels:
         keys (blocks below a sequence's first window are not read); sinks: float32 [H], a logit per
         head in its softmax's denominator (gpt-oss)."""
         num_blocks, block_size, kv_heads, d = k_cache.shape
-        kv_type = _KV_TYPES[k_cache.dtype]
+        kv_type = KV_TYPES[k_cache.dtype]
         if (kv_type >= 2) != (k_scales is not None and v_scales is not None):
             raise ValueError("scales go with 8-bit caches, and only with them")
         status = self._prompt_attention(
