@@ -391,7 +391,7 @@ def test_streams_on_a_killed_worker_end_in_an_error_the_sdk_raises(workers) -> N
 
 
 def test_mixed_load_with_a_worker_killed_midway_cuts_no_stream_silently(workers) -> None:
-    """A bounded load test: 100 mixed requests (chat and completion streams, plain requests, streams the
+    """A bounded load test: 64 mixed requests (chat and completion streams, plain requests, streams the
     client drops early) at concurrency 16 through the router, one of its two workers SIGKILLed a third of
     the way in. Every stream read to its end has [DONE] or an error event; plain requests succeed or get
     an OpenAI-shaped 5xx; and after the kill the live worker takes everything."""
@@ -441,8 +441,8 @@ def test_mixed_load_with_a_worker_killed_midway_cuts_no_stream_silently(workers)
     try:
         with router([doomed.url, workers[0].url], policy="round_robin", health_check_interval=600) as url:
             with concurrent.futures.ThreadPoolExecutor(16) as pool:
-                futures = [pool.submit(one, url, i) for i in range(100)]
-                while sum(f.done() for f in futures) < 30:
+                futures = [pool.submit(one, url, i) for i in range(64)]
+                while sum(f.done() for f in futures) < 20:
                     time.sleep(0.05)
                 doomed.proc.kill()
                 for f in futures:
@@ -450,7 +450,7 @@ def test_mixed_load_with_a_worker_killed_midway_cuts_no_stream_silently(workers)
             metrics = scrape(url)
     finally:
         doomed.stop()
-    assert sum(outcomes.values()) == 100 and outcomes.get("done", 0) > 25, outcomes
+    assert sum(outcomes.values()) == 64 and outcomes.get("done", 0) > 16, outcomes
     failed = sum(v for k, v in metrics.items() if k.startswith("ladle_router_streams_failed_total"))
     # every error event the clients read was counted; a stream its client dropped as its worker died may be too
     errors = outcomes.get("error event", 0)

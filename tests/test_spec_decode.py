@@ -97,15 +97,15 @@ def test_the_load_aware_policy_shrinks_then_stops() -> None:
 @pytest.mark.parametrize("engine_args", [
     {},
     {"max_num_batched_tokens": 32, "long_prefill_token_threshold": 16},  # chunked prefill, drafts cut by budget
-    {"num_kv_blocks": 24, "block_size": 8, "max_num_batched_tokens": 64},  # a pool too small: preemption
+    {"num_kv_blocks": 18, "block_size": 8, "max_num_batched_tokens": 64},  # a pool too small: preemption
 ], ids=["plain", "chunked", "preempted"])
 def test_greedy_output_is_unchanged(smollm2_dir: Path, tiny_draft: Path, baseline: Baseline, engine_args: dict,
                                     method) -> None:
-    greedy = [SamplingParams(temperature=0.0, max_tokens=32, logprobs=2), SamplingParams(temperature=0.0, max_tokens=24),
-              SamplingParams(temperature=0.0, max_tokens=24, stop=["."]),
+    greedy = [SamplingParams(temperature=0.0, max_tokens=24, logprobs=2), SamplingParams(temperature=0.0, max_tokens=16),
+              SamplingParams(temperature=0.0, max_tokens=16, stop=["."]),
               # penalties and min_tokens read the tokens before each row, drafts included
-              SamplingParams(temperature=0.0, max_tokens=40, repetition_penalty=1.2, frequency_penalty=0.4),
-              SamplingParams(temperature=0.0, max_tokens=40, presence_penalty=0.5, min_tokens=36)]
+              SamplingParams(temperature=0.0, max_tokens=24, repetition_penalty=1.2, frequency_penalty=0.4),
+              SamplingParams(temperature=0.0, max_tokens=24, presence_penalty=0.5, min_tokens=20)]
     spec = LLM(str(smollm2_dir), speculative_config=spec_config(method, tiny_draft), **engine_args)
     want = baseline(PROMPTS, greedy, **engine_args)
     got = spec.generate(PROMPTS, greedy)
@@ -117,9 +117,9 @@ def test_greedy_output_is_unchanged(smollm2_dir: Path, tiny_draft: Path, baselin
         assert lg.token_id == lw.token_id and abs(lg.logprob - lw.logprob) < 1e-4
         assert [t for t, _ in lg.top] == [t for t, _ in lw.top]
     stats = spec.engine.stats.spec
-    assert stats.num_draft_tokens > 100
+    assert stats.num_draft_tokens > 50
     if method != "draft_model":  # the random draft model's drafts are (rightly) rejected
-        assert stats.num_accepted_tokens > 20
+        assert stats.num_accepted_tokens > 10
     if "num_kv_blocks" in engine_args:
         assert spec.engine.scheduler.num_preemptions > 0
     assert spec.engine.kv.num_free_blocks == spec.engine.kv.num_blocks  # nothing leaked by rejected drafts
@@ -128,7 +128,7 @@ def test_greedy_output_is_unchanged(smollm2_dir: Path, tiny_draft: Path, baselin
 @pytest.mark.parametrize("method", METHODS, ids=IDS)
 def test_seeded_samples_and_n_are_unchanged(smollm2_dir: Path, tiny_draft: Path, baseline: Baseline, method) -> None:
     """One draw per emitted token, in order: a seeded request emits the same tokens with speculation."""
-    params = [SamplingParams(temperature=0.8, top_p=0.95, seed=s, max_tokens=24, n=2) for s in range(5)]
+    params = [SamplingParams(temperature=0.8, top_p=0.95, seed=s, max_tokens=16, n=2) for s in range(5)]
     base = token_ids(baseline(PROMPTS, params))
     spec_llm = LLM(str(smollm2_dir), speculative_config=spec_config(method, tiny_draft))
     assert token_ids(spec_llm.generate(PROMPTS, params)) == base
@@ -138,7 +138,7 @@ def test_seeded_samples_and_n_are_unchanged(smollm2_dir: Path, tiny_draft: Path,
 @pytest.mark.parametrize("method", METHODS, ids=IDS)
 def test_prefix_cache_holds_only_verified_tokens(smollm2_dir: Path, tiny_draft: Path, method) -> None:
     llm = LLM(str(smollm2_dir), speculative_config=spec_config(method, tiny_draft), block_size=4)
-    results = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=32))
+    results = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=24))
     stats = llm.engine.stats.spec
     assert stats.num_draft_tokens > stats.num_accepted_tokens  # some drafts were rejected
     texts = [r.prompt_token_ids + r.outputs[0].token_ids for r in results]
@@ -310,8 +310,8 @@ def test_the_model_itself_as_draft_model_keeps_every_draft(smollm2_dir: Path, ba
     only holds if the draft model's cache follows each sequence exactly (kept, rejected, new)."""
     llm = LLM(str(smollm2_dir), speculative_config={"method": "draft_model", "model": str(smollm2_dir),
                                                     "num_speculative_tokens": 3, "disable_by_batch_size": 64})
-    base = baseline(PROMPTS, SamplingParams(temperature=0.0, max_tokens=40))
-    got = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=40))
+    base = baseline(PROMPTS, SamplingParams(temperature=0.0, max_tokens=24))
+    got = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=24))
     assert [g.outputs[0].token_ids for g in got] == [b.outputs[0].token_ids for b in base]
     stats = llm.engine.stats.spec
     assert stats.num_accepted_tokens >= 0.97 * stats.num_draft_tokens > 0
