@@ -119,20 +119,25 @@ async def mixed_load(base: str, model: str, args, with_long: bool) -> list[float
 
 
 def effort_runs(args, work: Path) -> dict:
+    """The short requests alone, then beside the long thinkers, on one server without the policy (its
+    prefix cache emptied in between) and beside them again on one with it."""
     template = work / "think.jinja"
     template.write_text(THINK_TEMPLATE)
     out = {}
-    for label, policy in (("alone", False), ("no_policy", False), ("policy", True)):
+    for policy, labels in ((False, ("alone", "no_policy")), (True, ("policy",))):
         port = free_port()
         flags = ["--port", str(port), "--reasoning-parser", "qwen3", "--chat-template", str(template),
                  "--max-num-seqs", str(args.max_num_seqs)]
         if policy:
             flags += ["--max-high-effort-seqs", str(args.max_high_effort_seqs), "--high-effort-tokens", "256"]
-        with running_server(serve_cmd(*flags), dict(os.environ), port, work / f"effort-{label}.log", 300) as base:
-            print(f"\n== short requests, {label} ==", flush=True)
-            ttfts = asyncio.run(mixed_load(base, "SmolLM2-135M-Instruct", args, with_long=label != "alone"))
-        out[label] = {"ttft_p50_ms": float(np.percentile(ttfts, 50)), "ttft_p99_ms": float(np.percentile(ttfts, 99))}
-        print(f"  short TTFT p50 {out[label]['ttft_p50_ms']:.0f} ms, p99 {out[label]['ttft_p99_ms']:.0f} ms")
+        with running_server(serve_cmd(*flags), dict(os.environ), port, work / f"effort-{labels[-1]}.log", 300) as base:
+            for label in labels:
+                httpx.post(f"{base}/reset_prefix_cache", timeout=30).raise_for_status()
+                print(f"\n== short requests, {label} ==", flush=True)
+                ttfts = asyncio.run(mixed_load(base, "SmolLM2-135M-Instruct", args, with_long=label != "alone"))
+                out[label] = {"ttft_p50_ms": float(np.percentile(ttfts, 50)),
+                              "ttft_p99_ms": float(np.percentile(ttfts, 99))}
+                print(f"  short TTFT p50 {out[label]['ttft_p50_ms']:.0f} ms, p99 {out[label]['ttft_p99_ms']:.0f} ms")
     return out
 
 
