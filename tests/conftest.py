@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import resource
 import shutil
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -58,7 +59,9 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 # The labelled-set CLI modules share one labelled server (and its prefix cache): one worker runs them all.
 LABELLED_MODULES = ("tests/test_calibrate_check.py", "tests/test_calibrate_cli.py", "tests/test_heads_cli.py")
 TEST_SECONDS = "ladle/test_seconds"  # each test's time in its last run (setup, call, teardown), in pytest's cache
+TEST_CPU_SECONDS = "ladle/test_cpu_seconds"  # and the CPU it took: see cpu_seconds
 test_seconds: dict[str, float] = {}
+test_cpu_seconds: dict[str, float] = {}
 
 
 def scope_of(nodeid: str) -> str:
@@ -107,16 +110,54 @@ def order_longest_scopes_first(config: pytest.Config, items: list[pytest.Item]) 
     items.sort(key=cost, reverse=True)  # stable: a module's tests keep their order
 
 
+def cpu_seconds() -> float:
+    """CPU this process and its finished child processes (servers, benchmark scripts, ranks) have used.
+    On 2 cores the suite is CPU-bound (its workers share them), so a test's CPU, not its time, is what
+    it adds to the run's length."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
+    """Each phase's report (setup, call, teardown) carries the CPU used since the last one ended."""
+    outcome = yield
+    now = cpu_seconds()
+    outcome.get_result().user_properties.append(("cpu_seconds", now - getattr(item, "_cpu_mark", now)))
+    item._cpu_mark = now
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    item._cpu_mark = cpu_seconds()
+
+
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     test_seconds[report.nodeid] = test_seconds.get(report.nodeid, 0.0) + report.duration
+    cpu = dict(report.user_properties).get("cpu_seconds", 0.0)
+    test_cpu_seconds[report.nodeid] = test_cpu_seconds.get(report.nodeid, 0.0) + cpu
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    """The controller (or a run without workers) keeps each test's time for the next run's order."""
+    """The controller (or a run without workers) keeps each test's time for the next run's order, and
+    its CPU for `pytest_terminal_summary`."""
     cache = getattr(session.config, "cache", None)
     if cache is None or hasattr(session.config, "workerinput") or not test_seconds:
         return
     cache.set(TEST_SECONDS, cache.get(TEST_SECONDS, {}) | test_seconds)
+    cache.set(TEST_CPU_SECONDS, cache.get(TEST_CPU_SECONDS, {}) | test_cpu_seconds)
+
+
+def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
+    """The modules that took the most CPU: where to look when `make test` nears its 15 minutes."""
+    if hasattr(config, "workerinput") or not test_cpu_seconds:
+        return
+    modules: dict[str, float] = {}
+    for nodeid, cpu in test_cpu_seconds.items():
+        module = nodeid.split("::", 1)[0]
+        modules[module] = modules.get(module, 0.0) + cpu
+    top = sorted(modules.items(), key=lambda m: -m[1])[:8]
+    terminalreporter.write_line(f"CPU seconds (tests and the processes they started): {sum(modules.values()):.0f}; "
+                                + ", ".join(f"{Path(m).stem} {cpu:.0f}" for m, cpu in top))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
