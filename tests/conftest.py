@@ -371,11 +371,11 @@ def labelled_examples(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def labelled_sixth(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Every sixth example of each split (38 to fit, 16 held out) for the head fit (test_heads_cli),
+def labelled_quarter(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Every fourth example of each split (56 to fit, 24 held out) for the head fit (test_heads_cli),
     which reads each prompt's hidden states twice more (fit, then served): a subset of
     labelled_examples, so its decisions are found in the labelled server's prefix cache."""
-    return every_nth_example(tmp_path_factory.mktemp("labelled-sixth"), 6)
+    return every_nth_example(tmp_path_factory.mktemp("labelled-quarter"), 4)
 
 
 @pytest.fixture(scope="module")

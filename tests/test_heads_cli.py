@@ -36,21 +36,21 @@ async def decide_all(url: str, bodies: list[dict[str, Any]]) -> list[dict[str, A
 
 
 @pytest.mark.slow  # fits a head end to end over a labelled set
-def test_fitted_head_served_beats_the_zero_shot_decision(labelled_server: Server, labelled_sixth: Path,
+def test_fitted_head_served_beats_the_zero_shot_decision(labelled_server: Server, labelled_quarter: Path,
                                                          tmp_path: Path) -> None:
     server, head, reports = labelled_server, tmp_path / "team.safetensors", tmp_path / "report"
-    code = main(["heads", "fit", *labelled_set_args(server, examples=labelled_sixth), "--out", str(head),
+    code = main(["heads", "fit", *labelled_set_args(server, examples=labelled_quarter), "--out", str(head),
                  "--report-dir", str(reports), "--concurrency", str(CONCURRENCY)])
     assert code == 0
     report = json.loads((reports / "report.json").read_text())
     sidecar = json.loads(head.with_suffix(".json").read_text())
     assert sidecar["model"] == MODEL and sidecar["labels"] == ["billing", "technical", "sales", "account"]
-    assert sidecar["pooling"] == "mean" and sidecar["pool_from"] > 0 and report["n_heldout"] == 16
+    assert sidecar["pooling"] == "mean" and sidecar["pool_from"] > 0 and report["n_heldout"] == 24
     assert report["after"]["accuracy"] >= report["before"]["accuracy"] + 0.3
     assert report["after"]["ece"] < report["before"]["ece"]
 
-    question = json.loads((labelled_sixth / "tickets.question.json").read_text())
-    held = read_labelled(labelled_sixth / "tickets.heldout.jsonl", question)
+    question = json.loads((labelled_quarter / "tickets.question.json").read_text())
+    held = read_labelled(labelled_quarter / "tickets.heldout.jsonl", question)
     extensions = Extensions.load(MODEL, [], [f"team={head}"])
     with app_server(server.engine, decision_extensions=extensions) as served:
         replies = asyncio.run(decide_all(served.url, [{"input": text, "questions": [{**question, "head": "team"}]}
