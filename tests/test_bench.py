@@ -479,15 +479,16 @@ def test_a_trace_replays_on_its_clock_with_its_shared_blocks(tmp_path: Path):
 
 
 def test_the_goodput_search_finds_a_planted_knee(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
-    """A server that runs 5 requests at a time (50 ms to the first token, 170 ms a request): up to
-    concurrency 5 every TTFT is ~50 ms, past it a request waits a whole turn for a slot (220 ms or more),
-    far beyond the 120 ms SLO. Doubling meets at 1, 2, 4 and misses at 8; bisecting tries 6 (a miss:
-    one request of the ten waits) and 5 (meets)."""
-    app = FakeOpenAI(ttft=0.05, itl=0.02, capacity=5)
+    """A server that runs 5 requests at a time (100 ms to the first token, 340 ms a request): up to
+    concurrency 5 every TTFT is ~100 ms, past it a request waits a whole turn for a slot (440 ms or more),
+    far beyond the 250 ms SLO. Doubling meets at 1, 2, 4 and misses at 8; bisecting tries 6 (a miss:
+    one request of the ten waits) and 5 (meets). The 150 ms below the SLO absorb a loaded machine's
+    stalls (with 70 ms, one request of ten once missed at concurrency 1 while the suite ran)."""
+    app = FakeOpenAI(ttft=0.1, itl=0.04, capacity=5)
     with serve(app) as url:
         rc = ladle_main(["bench", "sweep", "--search", "goodput", "--by", "concurrency", "--base-url", url,
                          "--num-prompts", "10", "--random-input-len", "8", "--random-output-len", "7",
-                         "--goodput", "ttft:120", "--attainment", "0.95", "--skip-initial-test", "--disable-tqdm",
+                         "--goodput", "ttft:250", "--attainment", "0.95", "--skip-initial-test", "--disable-tqdm",
                          "--result-dir", str(tmp_path), "--result-filename", "search.json"])
     assert rc == 0
     found = json.loads((tmp_path / "search.json").read_text())
