@@ -32,6 +32,7 @@ import numpy as np  # noqa: E402
 
 from ladle.bench.client import Target  # noqa: E402
 from ladle.bench.datasets import SampleRequest  # noqa: E402
+from ladle.bench.discover import reset_prefix_cache  # noqa: E402
 from ladle.bench.runner import LoadSpec, run_load  # noqa: E402
 
 THINK_TEMPLATE = (  # the generation prompt opens a think block, as Qwen3's and DeepSeek-R1's do
@@ -96,9 +97,10 @@ def short_requests(n: int, tokens: int) -> list[SampleRequest]:
 
 
 async def mixed_load(base: str, model: str, args, with_long: bool) -> list[float]:
-    """TTFTs (ms) of the short requests, alone or beside the long thinkers."""
+    """TTFTs (ms) of the short requests, alone or beside the long thinkers, from a cold prefix cache."""
     short = Target(base_url=base, model=model, endpoint=CHAT, ignore_eos=True,
                    extra_body={"temperature": 0, "thinking_token_budget": 8})
+    await reset_prefix_cache(short)
     long = Target(base_url=base, model=model, endpoint=CHAT, ignore_eos=True,
                   extra_body={"temperature": 0, "thinking_token_budget": args.long_budget})
     longs = [SampleRequest(prompt=f"Task {i}: plan a week of meals, thinking it through.", prompt_len=24,
@@ -119,8 +121,8 @@ async def mixed_load(base: str, model: str, args, with_long: bool) -> list[float
 
 
 def effort_runs(args, work: Path) -> dict:
-    """The short requests alone, then beside the long thinkers, on one server without the policy (its
-    prefix cache emptied in between) and beside them again on one with it."""
+    """The short requests alone, then beside the long thinkers, on one server without the policy (each
+    run from a cold prefix cache), and beside them again on one with it."""
     template = work / "think.jinja"
     template.write_text(THINK_TEMPLATE)
     out = {}
@@ -132,7 +134,6 @@ def effort_runs(args, work: Path) -> dict:
             flags += ["--max-high-effort-seqs", str(args.max_high_effort_seqs), "--high-effort-tokens", "256"]
         with running_server(serve_cmd(*flags), dict(os.environ), port, work / f"effort-{labels[-1]}.log", 300) as base:
             for label in labels:
-                httpx.post(f"{base}/reset_prefix_cache", timeout=30).raise_for_status()
                 print(f"\n== short requests, {label} ==", flush=True)
                 ttfts = asyncio.run(mixed_load(base, "SmolLM2-135M-Instruct", args, with_long=label != "alone"))
                 out[label] = {"ttft_p50_ms": float(np.percentile(ttfts, 50)),
