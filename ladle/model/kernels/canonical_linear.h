@@ -60,8 +60,10 @@ struct Prefetch {
   int64_t lines = 0;
   int64_t per_step = 0;  // lines per step of the k loop, in 16.16 fixed point
 
-  inline void step(int64_t i) const {
-    const int64_t from = (i * per_step) >> 16, to = std::min(lines, ((i + 1) * per_step) >> 16);
+  inline void step(int64_t i) const { steps(i, i + 1); }
+  // The lines of steps [i, end) at once.
+  inline void steps(int64_t i, int64_t end) const {
+    const int64_t from = (i * per_step) >> 16, to = std::min(lines, (end * per_step) >> 16);
     for (int64_t j = from; j < to; ++j) __builtin_prefetch(base + j * kCacheLine, 0, 2);
   }
 };
@@ -236,6 +238,10 @@ void tile(const float* x, int64_t ldx, const W* panels, int64_t panel_stride, in
 constexpr int kTileRows = 6;  // 6 rows x 2 ymm (one panel) = 12 accumulators
 constexpr int kTilePanels = 1;
 
+// Prefetches are issued every 8 inputs, not every one: each issue's bookkeeping is a dozen scalar
+// instructions, and a 4-row tile's 8 FMAs an input cannot hide them.
+constexpr int64_t kPrefetchEvery = 8;
+
 // lo[r][p], hi[r][p] continue their FMA chains over inputs [begin, end): R rows x P panels.
 template <int R, int P, typename W>
 inline void chain(const float* x, int64_t ldx, const W* panels, int64_t panel_stride, int64_t begin, int64_t end,
@@ -243,8 +249,7 @@ inline void chain(const float* x, int64_t ldx, const W* panels, int64_t panel_st
   if constexpr (kFourBit<W>) {  // two inputs per byte: each pair's bytes widened once
     const __m256i nibble = _mm256_set1_epi32(15);
     for (int64_t i = begin; i < end; i += 2) {
-      prefetch.step(i);
-      prefetch.step(i + 1);
+      if ((i - begin) % kPrefetchEvery == 0) prefetch.steps(i, std::min(i + kPrefetchEvery, end));
       for (int p = 0; p < P; ++p) {
         const auto* b = reinterpret_cast<const char*>(panels + p * panel_stride + i / 2 * kPanel);
         const __m256i dl = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b)));
@@ -262,7 +267,7 @@ inline void chain(const float* x, int64_t ldx, const W* panels, int64_t panel_st
     }
   } else {
     for (int64_t i = begin; i < end; ++i) {
-      prefetch.step(i);
+      if ((i - begin) % kPrefetchEvery == 0) prefetch.steps(i, std::min(i + kPrefetchEvery, end));
       for (int p = 0; p < P; ++p) {
         const W* w = panels + p * panel_stride + i * kPanel;
         const __m256 wl = load8(w), wh = load8(w + 8);
@@ -377,6 +382,19 @@ constexpr int kMidPanels = kTilePanels;
 constexpr int64_t kMidRows = 0;
 #endif
 
+// Which quantised panels column_range widens to a float copy: int8 ones too, and only where every
+// row tile has kWidenTileRows rows or more. On AVX2 (benchmarks/canonical_rows.py, EPYC Zen 3, one
+// thread), int8 weights converted in the tile ran three times faster than widened at 16-64 rows,
+// and 4-bit weights widened ran 30% slower at 13 rows (tiles of 4, 4 and 5: 8 chains each stall on
+// the copy) but 15% faster at 16 (5, 5 and 6).
+#if defined(__AVX2__) && !defined(__AVX512F__)
+constexpr bool kWidenInt8 = false;
+constexpr int64_t kWidenTileRows = 5;
+#else
+constexpr bool kWidenInt8 = true;
+constexpr int64_t kWidenTileRows = 1;
+#endif
+
 inline int64_t group_width(int64_t rows, int64_t p, int64_t end_panel) {
   if (rows <= kFewRows && p + kWidePanels <= end_panel) return kWidePanels;
   if (rows <= kMidRows && p + kMidPanels <= end_panel) return kMidPanels;
@@ -436,20 +454,21 @@ void column_range(const float* x, int64_t ldx, const W* wp, const float* scales,
     const W* next = next_p == p ? nullptr : wp + next_p * panel_stride;
     const int64_t next_bytes = next_panels * panel_stride * int64_t(sizeof(W));
     const int64_t tiles = (m1 - m0 + kTileRows - 1) / kTileRows;
-    // int8 panels that three or more row tiles share are widened once (exactly) into a float
-    // copy, so each tile runs the float inner loop rather than converting the same weights
-    // again; for two tiles (a decode batch of 13-24 rows) storing and reloading the copy costs
-    // more than converting twice
+    // int8 and 4-bit panels that three or more row tiles share are widened once (exactly) into a
+    // float copy, so each tile runs the float inner loop rather than converting the same weights
+    // again (not for two tiles: storing and reloading the copy costs more than converting twice),
+    // where the instruction set gains by it (kWidenInt8, kWidenTileRows)
     const float* wide = nullptr;
-    if constexpr (sizeof(W) == 1) {  // int8 or 4-bit
-      if (tiles > 2) wide = widen_group(w, panels, k);
+    if constexpr (sizeof(W) == 1) {
+      if (tiles > 2 && (kFourBit<W> || kWidenInt8) && (m1 - m0) / tiles >= kWidenTileRows)
+        wide = widen_group(w, panels, k);
     }
-    // the rows split evenly over the tiles (13 rows: 7 + 6, not 12 + 1, whose lone row would wait
-    // on its few FMA chains' latency)
-    const int64_t tile_rows = (m1 - m0 + tiles - 1) / tiles;
-    for (int64_t m = m0; m < m1; m += tile_rows) {
-      const int64_t rows = std::min<int64_t>(tile_rows, m1 - m);
-      const Prefetch pf = prefetch_share(next, next_bytes, (m - m0) / tile_rows, tiles, k);
+    // the rows split evenly over the tiles, their sizes at most one apart (16 rows on AVX2: 5 + 5 + 6,
+    // where rounding each tile up gave 6 + 6 + 4): a tile of few rows waits on its few FMA chains'
+    // latency
+    for (int64_t t = 0; t < tiles; ++t) {
+      const int64_t m = m0 + (m1 - m0) * t / tiles, rows = m0 + (m1 - m0) * (t + 1) / tiles - m;
+      const Prefetch pf = prefetch_share(next, next_bytes, t, tiles, k);
       const Groups g = groups.at(m, p);
       if (wide != nullptr) tile_group(panels, rows, x + m * ldx, ldx, wide, wide_stride, k, c, pf, g);
       else tile_group(panels, rows, x + m * ldx, ldx, w, panel_stride, k, c, pf, g);
