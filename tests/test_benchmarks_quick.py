@@ -86,6 +86,10 @@ SCRIPTS = {
                           rf"caching on: 4 encoder runs for 4 distinct images; {NUMBER}x the decisions/s"], marks=SLOW),
     "worker_kill": Script([], [r"silent cuts: 0; errors not in OpenAI's shape: 0",
                                r"\| chat sdk \| (done|raised) \| \d+ \|"], marks=SLOW),
+    # the GPU's profile script, run here on the CPU: the same engine hooks and profiler, the CPU's ops for kernels
+    "gpu_profile": Script(["--model", "{model}", "--device", "cpu", "--out", "{tmp}"],
+                          [rf"### batch 4: {NUMBER} ms a step; kernels -; host ms: schedule {NUMBER}, execute "
+                           rf"{NUMBER}, sample {NUMBER}, rest -?{NUMBER}", r"\| `aten::\w+` \| "]),
     # needs a GPU and a Llama 3 tokenizer (benchmarks/gpu/fetch.sh; LADLE_GPU_TOKENIZER, as gpu_check.sh sets it)
     "gpu": Script(["--tokenizer", "{gpu_tokenizer}", "--out", "{tmp}", "--cases", "graphs"],
                   [rf"\| graphs, small model batch-1 \| eager {NUMBER} ms, graphs {NUMBER} ms"], timeout=600,
