@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import functools
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -112,8 +113,10 @@ class Sequence:
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
 
-    @property
+    @functools.cached_property
     def prompt_token_ids(self) -> list[int]:
+        """One list for the sequence's life (its prompt never changes), not a copy per engine step: each
+        step's outputs carry it, and at 256 sequences of 1000-token prompts the copies were 256,000 ids."""
         return self.token_ids[: self.num_prompt_tokens]
 
     @property

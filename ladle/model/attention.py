@@ -13,6 +13,7 @@ import mmap
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -54,11 +55,12 @@ class PrefillSpan:
 
 
 def padded_block_tables(tables: list[list[int]] | list[torch.Tensor]) -> torch.Tensor:
-    """int64 [len(tables), longest]: each table, zero-padded (padding is never read)."""
-    out = torch.zeros(len(tables), max(map(len, tables)), dtype=torch.int64)
+    """int64 [len(tables), longest]: each table, zero-padded (padding is never read). Filled in numpy: a
+    torch slice assignment a row took 4.8 ms for a decode step's 256 tables of 70 blocks, numpy 0.5."""
+    out = np.zeros((len(tables), max(map(len, tables))), dtype=np.int64)
     for i, table in enumerate(tables):
-        out[i, : len(table)] = torch.as_tensor(table)
-    return out
+        out[i, : len(table)] = table.numpy() if isinstance(table, torch.Tensor) else table
+    return torch.from_numpy(out)
 
 
 @dataclass
