@@ -25,6 +25,9 @@ PROMPTS = [
 ]
 MAX_TOKENS = 4
 LOGPROB_TOL = 2e-3
+# 8-bit K/V may flip the random tiny model's near-ties (two tokens within a few hundredths of a nat):
+# a token that far below transformers' best passes, a wrong kernel's tokens are whole nats below
+INT8_KV_TIE = 0.05
 TRITON = dict(attention_backend="triton", dtype="float32", block_size=8, num_kv_blocks=96, max_num_seqs=8)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
 
@@ -59,13 +62,14 @@ def test_triton_backend_matches_transformers(model, case: dict) -> None:
     llm = LLM(str(folder), **{**TRITON, **case})
     assert llm.engine.isa.startswith("triton")
     results = llm.generate(PROMPTS, GREEDY)
-    if case.get("kv_cache_dtype") == "int8":  # 8-bit K/V: the same tokens, logprobs near
+    if case.get("kv_cache_dtype") == "int8":  # 8-bit K/V: each token transformers' best or a near-tie of it
         for r in results:
             ids = torch.tensor([r.prompt_token_ids + r.outputs[0].token_ids])
             with torch.no_grad():
                 ref = torch.log_softmax(hf_model(ids).logits[0], dim=-1)
             start = len(r.prompt_token_ids) - 1
-            assert r.outputs[0].token_ids == ref[start:-1].argmax(-1).tolist()
+            for i, token in enumerate(r.outputs[0].token_ids):
+                assert ref[start + i, token] >= ref[start + i].max() - INT8_KV_TIE, (r.prompt_token_ids, i)
     else:
         assert_matches_transformers(results, hf_model)
     if "num_kv_blocks" in case:
