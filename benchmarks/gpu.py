@@ -76,9 +76,10 @@ def model_folder(root: Path, name: str, config: dict, tokenizer: Path) -> Path:
     return folder
 
 
-def random_prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
+def random_prompts(n: int, length: int, seed: int = 0, high: int = 120000) -> list[list[int]]:
+    """n prompts of random ids in [1000, high): below Llama 3's special tokens by default."""
     rng = random.Random(seed)
-    return [[rng.randrange(1000, 120000) for _ in range(length)] for _ in range(n)]
+    return [[rng.randrange(1000, high) for _ in range(length)] for _ in range(n)]
 
 
 def cuda_ms(fn, repeats: int) -> float:

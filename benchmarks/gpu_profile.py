@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import statistics
 import sys
 import time
@@ -30,7 +29,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from gpu import LLAMA31_8B, model_folder  # noqa: E402
+from gpu import LLAMA31_8B, model_folder, random_prompts  # noqa: E402
 
 PHASES = ("schedule", "execute", "sample")
 
@@ -59,10 +58,10 @@ def start_decoding(engine, batch: int, prompt_len: int, max_tokens: int) -> list
     from ladle import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0)
-    rng, vocab = random.Random(batch), engine.model_config.vocab_size
+    prompts = random_prompts(batch, prompt_len, seed=batch, high=min(120000, engine.model_config.vocab_size - 1000))
     ids = [f"profile-{batch}-{i}" for i in range(batch)]
-    for rid in ids:
-        engine.add_request(rid, [rng.randrange(1000, vocab - 1000) for _ in range(prompt_len)], params)
+    for rid, prompt in zip(ids, prompts):
+        engine.add_request(rid, prompt, params)
     started: set[str] = set()
     while len(started) < batch:
         started.update(out.request_id for out in engine.step() if out.deltas)
@@ -73,10 +72,7 @@ def kernel_times(prof, steps: int) -> list[dict]:
     """Per kernel name: ms and calls per step on the device (the CPU's ops where there is no device)."""
     rows = []
     for evt in prof.key_averages():
-        device_us = getattr(evt, "self_device_time_total", None)
-        if device_us is None:
-            device_us = getattr(evt, "self_cuda_time_total", 0)
-        us = device_us if torch.cuda.is_available() else evt.self_cpu_time_total
+        us = evt.self_device_time_total if torch.cuda.is_available() else evt.self_cpu_time_total
         if us > 0:
             rows.append({"kernel": evt.key[:100], "ms_per_step": us / 1e3 / steps, "calls_per_step": evt.count / steps})
     return sorted(rows, key=lambda r: -r["ms_per_step"])
